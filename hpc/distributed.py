@@ -1,0 +1,261 @@
+"""``init_torch`` / ``teardown``, roles and barriers.
+
+A training script written for torch-hpc looks the same under every launcher::
+
+    import hpc
+    info = hpc.init_torch(seed=0)
+    model = build_model().to(hpc.device())
+    hpc.sync_model(model)
+    ...
+
+No explicit teardown is needed: it is registered with :mod:`atexit`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import random
+from collections.abc import Mapping, MutableMapping
+from datetime import timedelta
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from hpc.environments import DistInfo, detect
+from hpc.errors import LaunchEnvironmentError
+
+__all__ = [
+    "init_torch", "teardown", "export_env", "info", "device", "is_dist", "get_rank",
+    "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
+    "is_master", "is_local_master", "master_only", "barrier", "seed_everything",
+]
+
+logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STATE: dict[str, Any] = {"info": None, "device": None, "atexit": False}
+
+#: Default collective timeout; torch's own default is 30 minutes (10 for NCCL).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: Default pre-flight wait for all ranks; override with ``HPC_CONNECT_TIMEOUT`` (s).
+DEFAULT_CONNECT_TIMEOUT = 120.0
+
+
+def export_env(info: DistInfo, environ: Optional[MutableMapping[str, str]] = None,
+               *, overwrite: bool = False) -> None:
+    """Write ``info`` as torchrun-style variables, the one place that does so.
+
+    Sets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``NODE_RANK``, ``NNODES``, so code that reads
+    them (``env://`` init, other libraries) sees the same layout.
+
+    Raises:
+        LaunchEnvironmentError: a variable already holds a different value and
+            ``overwrite`` is False; the message shows both values.
+    """
+    env = os.environ if environ is None else environ
+    values = {
+        "MASTER_ADDR": info.master_addr, "MASTER_PORT": info.master_port,
+        "RANK": info.rank, "WORLD_SIZE": info.world_size, "LOCAL_RANK": info.local_rank,
+        "LOCAL_WORLD_SIZE": info.local_world_size, "GROUP_RANK": info.node_rank,
+        "NODE_RANK": info.node_rank, "NNODES": info.num_nodes,
+    }
+    clashes = [
+        f"{k}={env[k]} (set) vs {v} (detected from {info.launcher})"
+        for k, v in values.items() if v is not None and k in env and env[k] != str(v)
+    ]
+    if clashes and not overwrite:
+        raise LaunchEnvironmentError(
+            "refusing to overwrite existing variables with different values: "
+            + "; ".join(clashes) + ".\n"
+            "They were exported by hand or by an outer launcher and contradict the "
+            "detected layout.\n"
+            "HINT: unset them, or set HPC_LAUNCHER to the launcher that should win."
+        )
+    for k, v in values.items():
+        if v is not None:
+            env[k] = str(v)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's ``random``, numpy (if installed) and torch (CPU and CUDA)."""
+    import torch
+
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    torch.manual_seed(seed)
+
+
+def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
+    import torch
+
+    if backend not in (None, "nccl") or not torch.cuda.is_available():
+        return backend or "gloo", torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        return backend or "gloo", torch.device("cpu")
+    if count == 1:
+        index = 0  # one visible GPU per task (--gpus-per-task=1, or a bound launcher)
+    elif info.local_rank < count:
+        index = info.local_rank
+    else:
+        raise LaunchEnvironmentError(
+            f"local rank {info.local_rank} of {info.local_world_size} has no GPU: only "
+            f"{count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}).\n"
+            "More tasks per node were started than GPUs were allocated.\n"
+            "HINT: use --ntasks-per-node equal to --gpus-per-node (one task per GPU), "
+            "or pass backend='gloo' to run on CPU."
+        )
+    torch.cuda.set_device(index)
+    return backend or "nccl", torch.device("cuda", index)
+
+
+def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
+               timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
+               connect_timeout: Optional[float] = None,
+               environ: Optional[Mapping[str, str]] = None) -> DistInfo:
+    """Detect the launch, export it, bind the GPU, seed and init torch.distributed.
+
+    Args:
+        backend: ``nccl``/``gloo``/...; default nccl when this local rank has a GPU,
+            else gloo.
+        seed: When given, seeds python, numpy and torch with the same value on every
+            rank (identical initial weights).
+        timeout: Timeout of collectives (``timedelta`` or seconds).
+        connect_timeout: How long the pre-flight waits for the master and all ranks
+            (seconds); default ``HPC_CONNECT_TIMEOUT`` or 120.
+        environ: Variables to detect from (default ``os.environ``).
+
+    Returns:
+        The :class:`~hpc.DistInfo` of this process, master resolved.
+
+    Idempotent: a second call returns the first call's result.
+    """
+    if _STATE["info"] is not None:
+        return _STATE["info"]
+    import torch.distributed as dist
+
+    from hpc import rendezvous
+
+    env = os.environ if environ is None else environ
+    info = detect(env)
+    if info.launcher == "mpi4py":
+        info = rendezvous.from_mpi4py()
+    info = rendezvous.resolve_master(info, env)
+    for warning in info.warnings:
+        logger.warning("%s", warning)
+    export_env(info)
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    if connect_timeout is None:
+        connect_timeout = float(env.get("HPC_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
+    backend, dev = _pick_device(info, backend)
+    if seed is not None:
+        seed_everything(seed)
+    if not dist.is_initialized():
+        if info.world_size == 1:
+            store = dist.HashStore()
+        else:
+            store = rendezvous.preflight(info, connect_timeout, timeout)
+            store = dist.PrefixStore("hpc/pg", store)
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(backend, store=store, rank=info.rank,
+                                world_size=info.world_size, timeout=timeout, **kwargs)
+    _STATE.update(info=info, device=dev)
+    if not _STATE["atexit"]:
+        atexit.register(teardown)
+        _STATE["atexit"] = True
+    logger.info("initialised %s, backend %s, device %s", info.describe(), backend, dev)
+    return info
+
+
+def teardown() -> None:
+    """Destroy the process group (safe to call twice; also runs at exit)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # pragma: no cover - best effort at exit
+        logger.debug("teardown: %s", e)
+    _STATE.update(info=None, device=None)
+
+
+def info() -> DistInfo:
+    """The :class:`DistInfo` of :func:`init_torch`, or a fresh :func:`detect`."""
+    return _STATE["info"] or detect()
+
+
+def device() -> Any:
+    """The device :func:`init_torch` bound (``cuda:i`` or ``cpu``)."""
+    import torch
+
+    return _STATE["device"] or torch.device("cpu")
+
+
+def is_dist() -> bool:
+    """True when torch.distributed is initialised with more than one rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    """Global rank (0 when not distributed)."""
+    return info().rank
+
+
+def get_local_rank() -> int:
+    """Rank on this node."""
+    return info().local_rank
+
+
+def get_world_size() -> int:
+    """Number of processes."""
+    return info().world_size
+
+
+def get_local_world_size() -> int:
+    """Number of processes on this node."""
+    return info().local_world_size
+
+
+def get_node_rank() -> int:
+    """Index of this node."""
+    return info().node_rank
+
+
+def is_master() -> bool:
+    """True on global rank 0: the one that writes files."""
+    return get_rank() == 0
+
+
+def is_local_master() -> bool:
+    """True on local rank 0 of each node: the one that logs to the console."""
+    return get_local_rank() == 0
+
+
+def master_only(fn: F) -> F:
+    """Run ``fn`` on the global master only; other ranks get ``None``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs) if is_master() else None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def barrier() -> None:
+    """Block until every rank arrives (no-op when not distributed)."""
+    import torch.distributed as dist
+
+    if is_dist():
+        dist.barrier()

@@ -1,0 +1,131 @@
+"""Launch-environment detection: one ordered list of launchers, one ``detect``.
+
+The first environment in :data:`ORDER` whose ``detect`` is true wins: the innermost
+launcher, the one that started this very process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Optional
+
+from hpc.environments.base import DistInfo, Environment
+from hpc.environments.local import LocalEnvironment
+from hpc.environments.mpi import HydraEnvironment, MVAPICH2Environment, OpenMPIEnvironment
+from hpc.environments.slurm import (
+    SlurmEnvironment,
+    expand_hostnames,
+    expand_tasks_per_node,
+    in_step,
+)
+from hpc.environments.torchrun import TorchrunEnvironment, parse_local_rank
+from hpc.errors import InconsistentEnvironmentError, LaunchEnvironmentError
+
+__all__ = [
+    "ORDER", "DistInfo", "Environment", "detect", "by_name", "parse_local_rank",
+    "expand_hostnames", "expand_tasks_per_node",
+]
+
+ORDER: tuple[type[Environment], ...] = (
+    # torchrun (and `hpc run`) set per-worker variables and are often started *inside*
+    # srun or mpirun (one agent per node), so they are the innermost launcher.
+    TorchrunEnvironment,
+    # mpirun/mpiexec inside a Slurm allocation inherit the launcher step's SLURM_*
+    # variables; the MPI world is the real one, so MPI comes before Slurm.
+    OpenMPIEnvironment,
+    MVAPICH2Environment,
+    HydraEnvironment,
+    # srun steps, including srun --mpi=pmix/pmi2 direct launch of MPI programs, and
+    # the batch script itself (one process, with a warning).
+    SlurmEnvironment,
+    # Nothing detected: a single process.
+    LocalEnvironment,
+)
+
+#: Extra names accepted by ``HPC_LAUNCHER`` that :func:`hpc.init_torch` handles.
+RUNTIME_LAUNCHERS = ("mpi4py",)
+
+
+def by_name(name: str) -> type[Environment]:
+    """The environment called ``name`` (``hpc-run`` is an alias of ``torchrun``)."""
+    names = {env.name: env for env in ORDER}
+    names["hpc-run"] = TorchrunEnvironment
+    names["intelmpi"] = names["hydra"] = HydraEnvironment
+    try:
+        return names[name]
+    except KeyError:
+        valid = ", ".join(sorted(set(names) | set(RUNTIME_LAUNCHERS)))
+        raise LaunchEnvironmentError(
+            f"HPC_LAUNCHER={name!r} is not a known launcher.\n"
+            f"HINT: use one of: {valid}."
+        ) from None
+
+
+def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
+    """Read the launch environment into a :class:`DistInfo`.
+
+    Args:
+        environ: The variables to read; ``os.environ`` when None. With a mapping given,
+            nothing else is read: no ``os.environ``, no network, no mpi4py import.
+
+    Raises:
+        LaunchEnvironmentError: variables are missing or malformed, or
+            ``HPC_LAUNCHER`` names an unknown launcher.
+        InconsistentEnvironmentError: two launchers disagree about this process
+            (e.g. ``RANK=3`` vs ``SLURM_PROCID=1``), showing both sides.
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    forced = env.get("HPC_LAUNCHER", "").strip()
+    if forced and forced not in RUNTIME_LAUNCHERS:
+        return by_name(forced).read(env)
+    if forced:  # resolved at init time
+        return LocalEnvironment.read(env).replace(launcher=forced)
+    for candidate in ORDER:
+        if candidate.detect(env):
+            info = candidate.read(env)
+            _cross_check(candidate, info, env)
+            return info
+    raise AssertionError("LocalEnvironment always detects")  # pragma: no cover
+
+
+def _cross_check(winner: type[Environment], info: DistInfo, env: Mapping[str, str]) -> None:
+    """Refuse hand-set torchrun variables that contradict the real launcher.
+
+    Nested launches are expected and not compared: torchrun/``hpc run`` agents inside
+    srun or mpirun (they mark their variables with TORCHELASTIC_RUN_ID/HPC_RUN_ID), and
+    MPI ranks inside an allocation (the SLURM_* variables belong to mpirun's own step).
+    What is left are variables exported by hand, e.g. ``export RANK=0`` in a batch
+    script, which would give every task the same rank.
+    """
+    if winner is TorchrunEnvironment:
+        if "TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env:
+            return
+        others = [e for e in ORDER[1:-1] if e.detect(env)]
+        for other in others:
+            if other is SlurmEnvironment and not in_step(env):
+                continue
+            try:
+                theirs = other.read(env)
+            except LaunchEnvironmentError:
+                continue
+            if (theirs.world_size, theirs.rank) != (info.world_size, info.rank):
+                raise InconsistentEnvironmentError(
+                    f"RANK={info.rank} WORLD_SIZE={info.world_size} (torchrun-style "
+                    f"variables) vs {other.name}: rank {theirs.rank} of {theirs.world_size}.\n"
+                    "The RANK/WORLD_SIZE variables were not set by torchrun (no "
+                    "TORCHELASTIC_RUN_ID) and contradict the launcher that started this "
+                    "process, usually because they were exported in a batch script.\n"
+                    "HINT: unset RANK, WORLD_SIZE and LOCAL_RANK before launching, or set "
+                    f"HPC_LAUNCHER={other.name} (or torchrun) to choose explicitly."
+                )
+    if winner is SlurmEnvironment:
+        for key in ("PMIX_RANK", "PMI_RANK"):
+            if key in env and env[key].isdigit() and int(env[key]) != info.rank:
+                raise InconsistentEnvironmentError(
+                    f"{key}={env[key]} vs SLURM_PROCID={info.rank}.\n"
+                    "An MPI process manager and the Slurm step disagree about this rank.\n"
+                    "HINT: launch MPI programs either with srun --mpi=pmix/pmi2 or with "
+                    "mpirun, not a mix; or set HPC_LAUNCHER explicitly."
+                )
+

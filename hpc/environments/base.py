@@ -1,0 +1,157 @@
+"""The :class:`DistInfo` record and the :class:`Environment` interface.
+
+An environment is a pure translation of one launcher's variables into a
+:class:`DistInfo`. ``detect(environ)`` says whether the launcher is present and
+``read(environ)`` does the translation; neither touches ``os.environ``, the network or
+mpi4py, so both are tested with plain dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar, Optional
+
+from hpc.errors import LaunchEnvironmentError
+
+__all__ = ["DistInfo", "Environment", "env_int", "derive_port", "PORT_BASE", "PORT_SPAN"]
+
+#: Derived master ports live in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
+#: ephemeral range (32768-60999) so a derived port is never taken by an outgoing socket.
+PORT_BASE = 15000
+PORT_SPAN = 17000
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in a distributed launch.
+
+    Attributes:
+        launcher: Name of the environment that produced this record
+            (``torchrun``, ``hpc-run``, ``slurm``, ``openmpi``, ``mpich``, ``mvapich2``,
+            ``pmix``, ``mpi4py``, ``local``).
+        rank: Global rank, ``0 <= rank < world_size``.
+        local_rank: Rank among the processes of this node.
+        world_size: Number of processes in the job.
+        local_world_size: Number of processes on this node.
+        node_rank: Index of this node, ``0 <= node_rank < num_nodes``.
+        num_nodes: Number of nodes.
+        master_addr: Host of rank 0's rendezvous store, ``None`` when the launcher
+            does not say (MPI); :func:`hpc.init_torch` resolves it then.
+        master_port: TCP port of that store, ``None`` when unknown.
+        job_id: The scheduler's job id (``"slurm:1234.0"`` style), informational.
+        warnings: Things the reader noticed that are not fatal (shown by ``init``).
+    """
+
+    launcher: str
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    job_id: Optional[str] = None
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("world_size", self.world_size >= 1),
+            ("rank", 0 <= self.rank < self.world_size),
+            ("local_world_size", 1 <= self.local_world_size <= self.world_size),
+            ("local_rank", 0 <= self.local_rank < self.local_world_size),
+            ("num_nodes", 1 <= self.num_nodes <= self.world_size),
+            ("node_rank", 0 <= self.node_rank < self.num_nodes),
+        ]
+        bad = [name for name, ok in checks if not ok]
+        if bad:
+            raise LaunchEnvironmentError(
+                f"{self.launcher}: inconsistent layout ({', '.join(bad)} out of range): "
+                f"rank={self.rank} world_size={self.world_size} local_rank={self.local_rank} "
+                f"local_world_size={self.local_world_size} node_rank={self.node_rank} "
+                f"num_nodes={self.num_nodes}.\n"
+                "The launcher's variables contradict each other, usually because some were "
+                "exported by hand or inherited from an outer launch.\n"
+                "HINT: unset hand-set RANK/WORLD_SIZE/LOCAL_RANK variables, or force the "
+                "launcher with HPC_LAUNCHER=<name>."
+            )
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise LaunchEnvironmentError(
+                f"{self.launcher}: master port {self.master_port} is not a TCP port.\n"
+                "HINT: set MASTER_PORT to a free port in 1024-65535."
+            )
+
+    @property
+    def is_master(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_master(self) -> bool:
+        """True on local rank 0 of each node."""
+        return self.local_rank == 0
+
+    def replace(self, **changes: object) -> "DistInfo":
+        """Return a copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """One line for logs: ``slurm rank 3/8 local 1/4 node 1/2 master node1:15042``."""
+        master = f"{self.master_addr}:{self.master_port}" if self.master_addr else "unresolved"
+        return (
+            f"{self.launcher} rank {self.rank}/{self.world_size} "
+            f"local {self.local_rank}/{self.local_world_size} "
+            f"node {self.node_rank}/{self.num_nodes} master {master}"
+        )
+
+
+class Environment:
+    """One launcher. Subclasses set :attr:`name` and implement the two static methods."""
+
+    name: ClassVar[str] = ""
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:  # pragma: no cover - interface
+        """Return True when this launcher started the current process."""
+        raise NotImplementedError
+
+    @staticmethod
+    def read(environ: Mapping[str, str]) -> DistInfo:  # pragma: no cover - interface
+        """Translate ``environ`` into a :class:`DistInfo`."""
+        raise NotImplementedError
+
+
+def env_int(environ: Mapping[str, str], key: str, default: Optional[int] = None,
+            *, source: str = "") -> int:
+    """Read an integer variable, with a clear error when it is missing or malformed."""
+    raw = environ.get(key)
+    if raw is None or raw.strip() == "":
+        if default is not None:
+            return default
+        raise LaunchEnvironmentError(
+            f"{source or 'launch environment'}: {key} is not set.\n"
+            f"The launcher was detected from other variables but {key} is missing.\n"
+            f"HINT: launch through the launcher itself, or export {key}."
+        )
+    try:
+        return int(raw.strip())
+    except ValueError as e:
+        raise LaunchEnvironmentError(
+            f"{source or 'launch environment'}: {key}={raw!r} is not an integer.\n"
+            f"HINT: fix or unset {key}."
+        ) from e
+
+
+def derive_port(*parts: object) -> int:
+    """A stable port in ``[PORT_BASE, PORT_BASE + PORT_SPAN)`` from job identifiers.
+
+    Consecutive job ids map to different ports and each step of a job gets its own
+    port, so concurrent jobs and steps sharing a node do not collide.
+    """
+    acc = 0
+    for part in parts:
+        text = str(part)
+        value = int(text) if text.isdigit() else sum(ord(c) * 131 ** i for i, c in enumerate(text))
+        acc = acc * 64 + value
+    return PORT_BASE + acc % PORT_SPAN

@@ -1,0 +1,161 @@
+"""Slurm: tasks started by ``srun`` (from a batch script, ``salloc`` or a login node).
+
+Step variables describe the running ``srun`` step and win over the job (allocation)
+variables, which describe what ``sbatch``/``salloc`` asked for.
+
+==============================  ======================================================
+``SLURM_JOB_ID``                marks a Slurm job (required)
+``SLURM_STEP_ID``               present only inside an ``srun`` step; missing in the
+                                batch script itself (then: one process, with a warning)
+``SLURM_PROCID``                global rank
+``SLURM_LOCALID``               rank on this node
+``SLURM_NODEID``                node index within the step
+``SLURM_STEP_NUM_TASKS``        world size (else ``SLURM_NTASKS``)
+``SLURM_STEP_NUM_NODES``        node count (else ``SLURM_NNODES``)
+``SLURM_STEP_NODELIST``         hosts of the step (else ``SLURM_NODELIST``); the master
+                                is its first host, expanded like ``scontrol show hostnames``
+``SLURM_STEP_TASKS_PER_NODE``   e.g. ``2(x3),1`` (else ``SLURM_TASKS_PER_NODE``); gives
+                                the local world size
+``MASTER_ADDR``/``MASTER_PORT``  override the derived master
+==============================  ======================================================
+
+The derived master port is ``15000 + (job_id * 64 + step_id) % 17000``: every step of
+a job and consecutive jobs get distinct ports below the ephemeral range.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import hostlist
+
+from hpc.environments.base import DistInfo, Environment, derive_port, env_int
+from hpc.errors import LaunchEnvironmentError
+
+__all__ = ["SlurmEnvironment", "expand_hostnames", "expand_tasks_per_node", "slurm_port"]
+
+_TPN = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+# SLURM_STEP_ID of the batch and extern steps (SLURM_BATCH_SCRIPT / SLURM_EXTERN_CONT).
+_SPECIAL_STEPS = {"4294967294": "batch", "4294967295": "extern"}
+
+
+def expand_hostnames(nodelist: str) -> list[str]:
+    """Expand a Slurm hostlist exactly like ``scontrol show hostnames``.
+
+    Order and duplicates are kept, zero padding is preserved, several bracket groups
+    in one name (``a[1-2]-b[3-4]``) expand as a product, and comma-separated groups
+    are concatenated. No ``scontrol`` is needed.
+    """
+    try:
+        return list(hostlist.expand_hostlist(nodelist, allow_duplicates=True, sort=False))
+    except hostlist.BadHostlist as e:
+        raise LaunchEnvironmentError(
+            f"slurm: cannot expand the nodelist {nodelist!r}: {e}.\n"
+            "HINT: check SLURM_STEP_NODELIST / SLURM_NODELIST."
+        ) from e
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand ``SLURM_TASKS_PER_NODE`` syntax: ``2(x3),1`` -> ``[2, 2, 2, 1]``."""
+    out: list[int] = []
+    for part in spec.split(","):
+        m = _TPN.match(part.strip())
+        if not m:
+            raise LaunchEnvironmentError(
+                f"slurm: cannot parse tasks-per-node {spec!r} (part {part!r}).\n"
+                "HINT: the expected form is like '2(x3),1'."
+            )
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
+
+
+def slurm_port(environ: Mapping[str, str]) -> int:
+    """The master port for this job step, see the module docstring."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "0"
+    step = {"4294967294": "4094", "4294967295": "4095"}.get(step, step)
+    return derive_port(job, step)
+
+
+def in_step(environ: Mapping[str, str]) -> bool:
+    """True inside an ``srun`` step, False in the batch script or ``salloc`` shell."""
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID"))
+    return step is not None and step not in _SPECIAL_STEPS
+
+
+class SlurmEnvironment(Environment):
+    """Tasks of an ``srun`` step, or the batch script of an allocation."""
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "SLURM_JOB_ID" in environ or "SLURM_JOBID" in environ
+
+    @staticmethod
+    def read(environ: Mapping[str, str]) -> DistInfo:
+        src = "slurm"
+        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+        user_port = environ.get("MASTER_PORT")
+        port = env_int(environ, "MASTER_PORT", source=src) if user_port else slurm_port(environ)
+        if not in_step(environ):
+            return _batch_script(environ, job, port)
+
+        def pick(step_key: str, job_key: str) -> str | None:
+            return environ.get(step_key) or environ.get(job_key)
+
+        world = int(pick("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1)
+        rank = env_int(environ, "SLURM_PROCID", source=src)
+        local_rank = env_int(environ, "SLURM_LOCALID", source=src)
+        node_rank = env_int(environ, "SLURM_NODEID", default=0, source=src)
+        num_nodes = int(pick("SLURM_STEP_NUM_NODES", "SLURM_NNODES") or 1)
+        tpn_raw = pick("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+        tpn = expand_tasks_per_node(tpn_raw) if tpn_raw else [world]
+        if len(tpn) != num_nodes or sum(tpn) != world:
+            raise LaunchEnvironmentError(
+                f"slurm: tasks per node {tpn_raw!r} (= {sum(tpn)} tasks on {len(tpn)} "
+                f"nodes) does not match SLURM_STEP_NUM_TASKS={world} on {num_nodes} nodes.\n"
+                "HINT: do not export SLURM_* variables by hand; launch with srun."
+            )
+        if not 0 <= node_rank < num_nodes:
+            raise LaunchEnvironmentError(
+                f"slurm: SLURM_NODEID={node_rank} but the step has {num_nodes} nodes.\n"
+                "HINT: do not export SLURM_* variables by hand; launch with srun."
+            )
+        nodelist = pick("SLURM_STEP_NODELIST", "SLURM_NODELIST") or ""
+        hosts = expand_hostnames(nodelist) if nodelist else []
+        addr = environ.get("MASTER_ADDR") or (hosts[0] if hosts else None)
+        return DistInfo(
+            launcher="slurm",
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            local_world_size=tpn[node_rank],
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            master_addr=addr,
+            master_port=port,
+            job_id=f"{job}.{environ.get('SLURM_STEP_ID', environ.get('SLURM_STEPID'))}",
+        )
+
+
+def _batch_script(environ: Mapping[str, str], job: str | None, port: int) -> DistInfo:
+    """``python train.py`` run by the batch script itself: one process, never N."""
+    ntasks = environ.get("SLURM_NTASKS", "1")
+    warnings: tuple[str, ...] = ()
+    if ntasks not in ("", "1"):
+        warnings = (
+            f"slurm: running in the batch script of job {job} (no srun step) although "
+            f"the allocation has SLURM_NTASKS={ntasks}; starting as a single process "
+            "instead of waiting for ranks that will never come.\n"
+            "HINT: start the ranks with `srun python ...` in the batch script "
+            "(see slurm/pretrain.sbatch).",
+        )
+    return DistInfo(
+        launcher="slurm",
+        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=port,
+        job_id=f"{job}.batch",
+        warnings=warnings,
+    )

@@ -1,0 +1,45 @@
+"""Typed errors raised by torch-hpc.
+
+Every message follows the house format: the fact with its values, the cause, then a
+``HINT:`` line with the concrete fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HPCError",
+    "LaunchEnvironmentError",
+    "InconsistentEnvironmentError",
+    "MasterAddressError",
+    "RendezvousError",
+    "ModelMismatchError",
+    "CheckpointError",
+]
+
+
+class HPCError(RuntimeError):
+    """Base class of every error torch-hpc raises on purpose."""
+
+
+class LaunchEnvironmentError(HPCError, ValueError):
+    """The launch environment's variables are missing, malformed or out of range."""
+
+
+class InconsistentEnvironmentError(LaunchEnvironmentError):
+    """Two launchers' variables describe different process layouts."""
+
+
+class MasterAddressError(HPCError):
+    """No master address/port can be derived for this launch."""
+
+
+class RendezvousError(HPCError, TimeoutError):
+    """The pre-flight could not bring every rank together in time."""
+
+
+class ModelMismatchError(HPCError):
+    """Ranks hold models whose parameter lists differ."""
+
+
+class CheckpointError(HPCError):
+    """A checkpoint is missing, truncated or corrupt."""
