@@ -95,6 +95,15 @@ def resolve_master(info: DistInfo, environ: Mapping[str, str]) -> DistInfo:
     if info.world_size == 1:
         return info.replace(master_addr=info.master_addr or "127.0.0.1")
     comm = _mpi_comm() if info.launcher in _MPI_LAUNCHERS else None
+    if comm is not None and (comm.Get_size(), comm.Get_rank()) != (info.world_size, info.rank):
+        logger.warning(
+            "mpi4py sees rank %d of %d but %s says rank %d of %d: mpi4py is linked to "
+            "another MPI library than the launcher's; not using it.\n"
+            "HINT: for MPICH make a link <dir>/libmpi.so.12 -> libmpich.so.12 and export "
+            "MPI4PY_LIBMPI=<dir>/libmpi.so.12 LD_LIBRARY_PATH=<dir>, or rebuild mpi4py "
+            "against the launcher's MPI.",
+            comm.Get_rank(), comm.Get_size(), info.launcher, info.rank, info.world_size)
+        comm = None
     if comm is not None:
         single = info.local_world_size == info.world_size
         mine = None

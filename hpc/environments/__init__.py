@@ -111,8 +111,9 @@ def _cross_check(winner: type[Environment], info: DistInfo, env: Mapping[str, st
                 continue
             if (theirs.world_size, theirs.rank) != (info.world_size, info.rank):
                 raise InconsistentEnvironmentError(
-                    f"RANK={info.rank} WORLD_SIZE={info.world_size} (torchrun-style "
-                    f"variables) vs {other.name}: rank {theirs.rank} of {theirs.world_size}.\n"
+                    f"RANK={info.rank} WORLD_SIZE={info.world_size} vs "
+                    f"{other.rank_var}={theirs.rank} ({other.name}, world size "
+                    f"{theirs.world_size}).\n"
                     "The RANK/WORLD_SIZE variables were not set by torchrun (no "
                     "TORCHELASTIC_RUN_ID) and contradict the launcher that started this "
                     "process, usually because they were exported in a batch script.\n"

@@ -110,6 +110,8 @@ class Environment:
     """One launcher. Subclasses set :attr:`name` and implement the two static methods."""
 
     name: ClassVar[str] = ""
+    #: The variable holding the global rank, named in inconsistency errors.
+    rank_var: ClassVar[str] = ""
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:  # pragma: no cover - interface

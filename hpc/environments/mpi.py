@@ -66,6 +66,7 @@ class OpenMPIEnvironment(Environment):
     """Open MPI's ``mpirun``/``mpiexec`` (ORTE or PRRTE)."""
 
     name = "openmpi"
+    rank_var = "OMPI_COMM_WORLD_RANK"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -83,6 +84,7 @@ class MVAPICH2Environment(Environment):
     """MVAPICH2's ``mpirun_rsh``/``mpiexec``."""
 
     name = "mvapich2"
+    rank_var = "MV2_COMM_WORLD_RANK"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -100,6 +102,7 @@ class HydraEnvironment(Environment):
     """MPICH and Intel MPI ``mpiexec`` (the hydra process manager)."""
 
     name = "mpich"
+    rank_var = "PMI_RANK"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

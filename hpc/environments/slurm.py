@@ -88,6 +88,7 @@ class SlurmEnvironment(Environment):
     """Tasks of an ``srun`` step, or the batch script of an allocation."""
 
     name = "slurm"
+    rank_var = "SLURM_PROCID"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

@@ -30,6 +30,7 @@ class TorchrunEnvironment(Environment):
     """torchrun (elastic), the legacy ``torch.distributed.launch`` and ``hpc run``."""
 
     name = "torchrun"
+    rank_var = "RANK"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
