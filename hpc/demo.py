@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from typing import Any
 
 __all__ = ["main", "add_parser"]
@@ -26,12 +27,14 @@ def main(backend: str | None = None) -> int:
     roles = [r for r, on in (("master", hpc.is_master()),
                              ("local-master", hpc.is_local_master())) if on]
     ok = value.item() == expected
-    print(f"DEMO rank={info.rank} world={info.world_size} local={info.local_rank}/"
+    line = (f"DEMO rank={info.rank} world={info.world_size} local={info.local_rank}/"
           f"{info.local_world_size} node={info.node_rank}/{info.num_nodes} "
           f"host={socket.gethostname()} launcher={info.launcher} "
           f"master={info.master_addr}:{info.master_port} device={hpc.device()} "
           f"allreduce={value.item():g} expected={expected:g} "
-          f"roles={','.join(roles) or 'worker'} {'OK' if ok else 'WRONG'}", flush=True)
+          f"roles={','.join(roles) or 'worker'} {'OK' if ok else 'WRONG'}\n")
+    sys.stdout.write(line)  # one write: lines of concurrent ranks never interleave
+    sys.stdout.flush()
     return 0 if ok else 1
 
 
@@ -43,6 +46,4 @@ def add_parser(sub: Any) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import sys
-
     sys.exit(main())

@@ -162,7 +162,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         if info.world_size == 1:
             store = dist.HashStore()
         else:
-            store = rendezvous.preflight(info, connect_timeout, timeout)
+            store = rendezvous.preflight(info, connect_timeout, timeout, env)
             store = dist.PrefixStore("hpc/pg", store)
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
@@ -173,6 +173,9 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     if not _STATE["atexit"]:
         atexit.register(teardown)
         _STATE["atexit"] = True
+        from hpc import failure
+
+        failure.install(info.rank, env)  # after teardown's handler: runs before it
     logger.info("initialised %s, backend %s, device %s", info.describe(), backend, dev)
     return info
 

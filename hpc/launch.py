@@ -9,16 +9,19 @@ It never imports torch, so ranks start without waiting for it.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import IO, Optional
 
+from hpc.failure import read_mark
 from hpc.rendezvous import free_port
 
 __all__ = ["run", "rank_env"]
@@ -80,12 +83,15 @@ def run(cmd: Sequence[str], nproc: int, *, prefix: bool = True,
         argv[0] = beside  # e.g. `hpc` from a venv that is not on PATH
     port = port or int(os.environ.get("MASTER_PORT") or free_port("127.0.0.1"))
     run_id = uuid.uuid4().hex[:12]
+    error_dir = tempfile.mkdtemp(prefix=f"hpc-run-{run_id}-")
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
     try:
         for rank in range(nproc):
-            p = subprocess.Popen(argv, env=rank_env(rank, nproc, port, run_id),
+            env = rank_env(rank, nproc, port, run_id)
+            env["HPC_ERROR_DIR"] = error_dir
+            p = subprocess.Popen(argv, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             procs.append(p)
             tag = f"[rank {rank}] " if prefix else ""
@@ -95,34 +101,56 @@ def run(cmd: Sequence[str], nproc: int, *, prefix: bool = True,
                 pumps.append(t)
     except OSError as e:
         _stop(procs)
+        shutil.rmtree(error_dir, ignore_errors=True)
         print(f"hpc run: cannot start {argv[0]!r}: {e}\nHINT: check the command after "
               "'--' (is it installed in this environment?)", file=sys.stderr)
         return 127
-    first: Optional[tuple[int, int]] = None
+    return _monitor(procs, pumps, error_dir)
+
+
+def _monitor(procs: Sequence[subprocess.Popen[bytes]], pumps: Sequence[threading.Thread],
+             error_dir: str) -> int:
+    """Wait for all ranks; on the first failure stop the rest and name the root cause."""
+    exits: queue.Queue[tuple[int, int, float]] = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait(), time.time())),
+                         daemon=True).start()
+    seen: list[tuple[int, int, float]] = []
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                first = failed[0]
+        while len(seen) < len(procs):
+            seen.append(exits.get())
+            if seen[-1][1] != 0:
                 break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.05)
     except KeyboardInterrupt:
-        first = (-1, 130)
-    if first is not None:
+        _stop(procs)
+        print("hpc run: interrupted; stopped all ranks", file=sys.stderr)
+        return 130
+    failed = [entry for entry in seen if entry[1] != 0]
+    if failed:
+        # Ranks that crashed because a peer died exit moments later; collect them too
+        # (not the ones we stop), then pick the earliest failure mark as the root cause.
+        time.sleep(0.2)
+        while not exits.empty():
+            failed.append(exits.get())
+        failed = [entry for entry in failed if entry[1] != 0]
         _stop(procs)
     for t in pumps:
         t.join(timeout=2.0)
-    if first is None:
+    if not failed:
+        shutil.rmtree(error_dir, ignore_errors=True)
         return 0
-    rank, code = first
-    if rank < 0:
-        print("hpc run: interrupted; stopped all ranks", file=sys.stderr)
-        return code
+
+    def began(entry: tuple[int, int, float]) -> float:
+        mark = read_mark(error_dir, entry[0])
+        return min(mark[0], entry[2]) if mark else entry[2]
+
+    rank, code, _ = min(failed, key=began)
+    mark = read_mark(error_dir, rank)
+    shutil.rmtree(error_dir, ignore_errors=True)
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    print(f"hpc run: rank {rank} (pid {procs[rank].pid}) failed first with {how}; "
-          f"stopped the other {nproc - 1} rank(s). Its output above is prefixed "
-          f"[rank {rank}].", file=sys.stderr)
+    others = ", ".join(str(r) for r, _, _ in sorted(failed) if r != rank) or "none"
+    print(f"hpc run: rank {rank} (pid {procs[rank].pid}) failed first with {how}"
+          + (f": {mark[1]}" if mark and mark[1] != "exited with a non-zero code" else "")
+          + f"; ranks failing after it: {others}; stopped all {len(procs)} ranks. "
+          f"Its output above is prefixed [rank {rank}].", file=sys.stderr)
     return 128 - code if code < 0 else code

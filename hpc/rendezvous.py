@@ -189,8 +189,13 @@ def _since(deadline: float) -> str:
     return f"{deadline - _START.get('t', deadline):.1f}s"
 
 
-def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta) -> Any:
+def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
+              environ: Optional[Mapping[str, str]] = None) -> Any:
     """Bring every rank together on rank 0's TCPStore and return the store.
+
+    Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves the
+    store at ``MASTER_PORT``; every rank, rank 0 included, joins it as a client, and keys
+    are scoped by ``TORCHELASTIC_RESTART_COUNT`` so a restarted attempt starts clean.
 
     Raises:
         RendezvousError: the master is unreachable, its port is taken, a rank is
@@ -203,7 +208,13 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta) -> 
     start = time.monotonic()
     _START["t"] = start
     deadline = start + connect_timeout
-    if info.rank == 0:
+    env = os.environ if environ is None else environ
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if agent_store:
+        _probe(addr, port, info.rank, deadline)
+        store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
+        store = dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    elif info.rank == 0:
         try:
             store = dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
                                   wait_for_workers=False)
