@@ -1,0 +1,132 @@
+"""Helpers shared by :mod:`hpc.sync` and :mod:`hpc.gradsync`.
+
+* :func:`active_world` says whether collectives are needed at all (no-op otherwise).
+* :func:`check_same_tensors` verifies, with one fixed-size ``all_gather`` of a hash,
+  that every rank holds the same tensor list (names, shapes, dtypes); on a mismatch it
+  gathers the lists and raises :class:`~hpc.errors.ModelMismatchError` on every rank,
+  naming the first differing tensor and the ranks, instead of letting a later
+  collective of mismatched sizes hang.
+* :func:`comm_device` picks the device a collective's tensors must live on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hpc.errors import ModelMismatchError
+
+__all__ = ["active_world", "check_same_tensors", "comm_device", "Signature", "describe"]
+
+logger = logging.getLogger(__name__)
+
+#: One entry per tensor: (name, shape, dtype as text).
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def active_world(group: Optional[Any] = None) -> int:
+    """World size of ``group`` when collectives are needed, else 0 (not initialised or 1)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    ws = dist.get_world_size(group)
+    return ws if ws > 1 else 0
+
+
+def _backend(group: Optional[Any]) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def comm_device(group: Optional[Any] = None, tensor_device: Optional[torch.device] = None
+                ) -> torch.device:
+    """Device for a collective's buffers.
+
+    ``tensor_device`` itself when the backend can move its tensors (gloo: CPU and CUDA;
+    nccl: CUDA), else the current CUDA device (CPU tensors under nccl are staged).
+    """
+    backend = _backend(group)
+    cpu_ok = "gloo" in backend or "mpi" in backend or "ucc" in backend
+    if tensor_device is not None:
+        if tensor_device.type == "cpu" and cpu_ok:
+            return tensor_device
+        if tensor_device.type == "cuda" and backend != "mpi":
+            return tensor_device
+    if cpu_ok:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
+    """The (name, shape, dtype) list that ranks must agree on."""
+    return [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named]
+
+
+def _digest(sig: Signature) -> int:
+    raw = hashlib.sha256(repr(sig).encode()).digest()[:8]
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def describe(entry: Optional[tuple[str, tuple[int, ...], str]]) -> str:
+    """``'name' shape (a, b) dtype`` or ``nothing`` for a missing entry."""
+    if entry is None:
+        return "nothing"
+    name, shape, dtype = entry
+    return f"{name!r} shape {tuple(shape)} {dtype}"
+
+
+def mismatch_message(sigs: Sequence[Signature], what: str) -> str:
+    """The error text for gathered signatures ``sigs`` (one per rank) that differ."""
+    ref = sigs[0]
+    first: Optional[int] = None
+    bad_ranks: list[int] = []
+    for rank, sig in enumerate(sigs[1:], start=1):
+        if sig == ref:
+            continue
+        bad_ranks.append(rank)
+        idx = next((i for i, (a, b) in enumerate(zip(ref, sig)) if a != b),
+                   min(len(ref), len(sig)))
+        if first is None or idx < first:
+            first = idx
+    first = first or 0
+    lines = [f"{what}: ranks disagree on the tensor list; first difference at tensor "
+             f"#{first}:"]
+    for rank in [0, *bad_ranks]:
+        sig = sigs[rank]
+        entry = sig[first] if first < len(sig) else None
+        lines.append(f"  rank {rank}: {describe(entry)} ({len(sig)} tensors in all)")
+    same = [r for r in range(1, len(sigs)) if r not in bad_ranks]
+    if same:
+        lines.append(f"  ranks {same} agree with rank 0")
+    lines.append("The ranks built different models (different arguments, config or "
+                 "code), so their buffers cannot be matched element by element.")
+    lines.append("HINT: build the model from the same configuration on every rank; "
+                 "per-rank choices (e.g. a supernet path) belong in forward(), not in "
+                 "which modules exist.")
+    return "\n".join(lines)
+
+
+def check_same_tensors(named: Sequence[tuple[str, torch.Tensor]], what: str,
+                       group: Optional[Any] = None) -> None:
+    """Raise :class:`ModelMismatchError` on every rank when the tensor lists differ.
+
+    Costs one ``all_gather`` of two int64 per rank when they agree; a mismatch adds an
+    ``all_gather_object`` of the lists (to name the difference). Collective: every rank
+    of ``group`` must call it.
+    """
+    ws = active_world(group)
+    if not ws:
+        return
+    sig = signature(named)
+    dev = comm_device(group)
+    mine = torch.tensor([_digest(sig), len(sig)], dtype=torch.int64, device=dev)
+    gathered = [torch.empty_like(mine) for _ in range(ws)]
+    dist.all_gather(gathered, mine, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
+        return
+    sigs: list[Any] = [None] * ws
+    dist.all_gather_object(sigs, sig, group=group)
+    raise ModelMismatchError(mismatch_message(sigs, what))

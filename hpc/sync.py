@@ -1,0 +1,195 @@
+"""``sync_model``: make every rank's parameters and buffers equal, in buckets.
+
+With both flags off every rank receives the master's (rank 0) tensors; with
+``reduce_parameters`` / ``reduce_buffers`` that group is averaged across ranks instead.
+
+How (see ``docs/sync.md``):
+
+* tensors are grouped by (device, wire dtype, operation) and packed into flat buckets of
+  about ``bucket_bytes`` (default 25 MiB); one collective per bucket;
+* for a broadcast only the master packs; other ranks receive into a small pool of
+  reusable buffers and copy out; up to ``max_in_flight`` buckets are in flight
+  (``async_op=True``) so packing, the transfer and unpacking overlap;
+* integer tensors (BatchNorm's ``num_batches_tracked``) are averaged with floor division
+  of the int64 sum (``sum // world_size``); bool tensors are always broadcast from the
+  master (there is no mean of booleans); float16/bfloat16 are averaged in float32;
+* CPU tensors under nccl are staged through the current CUDA device;
+* before anything moves, one ``all_gather`` of a hash checks that every rank holds the
+  same tensor list; a mismatch raises :class:`~hpc.errors.ModelMismatchError` on every
+  rank naming the first differing tensor, never a hang;
+* nothing happens when torch.distributed is not initialised or has one rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hpc._collective import active_world, check_same_tensors, comm_device
+
+__all__ = ["sync_model", "DEFAULT_BUCKET_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+#: Bucket size, as DDP's default ``bucket_cap_mb=25``.
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: Buckets in flight at once; more gains nothing on one link and costs memory.
+DEFAULT_IN_FLIGHT = 3
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Bucket:
+    op: str                      # "broadcast" or "mean"
+    device: torch.device         # where the flat buffer lives
+    wire: torch.dtype            # dtype of the flat buffer
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    numel: int = 0
+
+
+def _wire(t: torch.Tensor, op: str) -> tuple[str, torch.dtype]:
+    """(operation, dtype on the wire) for tensor ``t`` under requested ``op``."""
+    if t.dtype == torch.bool:
+        return "broadcast", torch.uint8
+    if op == "mean":
+        if not t.is_floating_point() and not t.is_complex():
+            return "mean", torch.int64
+        if t.dtype in _LOW_PRECISION:
+            return "mean", torch.float32
+    return op, t.dtype
+
+
+def _buckets(tensors: Sequence[tuple[torch.Tensor, str]], group: Optional[Any],
+             bucket_bytes: int) -> list[_Bucket]:
+    """Consecutive tensors of one (device, dtype, op) up to ``bucket_bytes`` each."""
+    open_: dict[tuple[Any, ...], _Bucket] = {}
+    done: list[_Bucket] = []
+    for t, requested in tensors:
+        if t.is_sparse or t.numel() == 0:
+            continue
+        op, wire = _wire(t, requested)
+        dev = comm_device(group, t.device)
+        key = (op, dev, wire)
+        b = open_.get(key)
+        if b is not None and (b.numel + t.numel()) * wire.itemsize > bucket_bytes:
+            done.append(b)
+            b = None
+        if b is None:
+            b = open_[key] = _Bucket(op, dev, wire)
+        b.tensors.append(t)
+        b.numel += t.numel()
+    done.extend(open_.values())
+    return done
+
+
+class _Pool:
+    """Reusable flat buffers, one free list per (device, dtype)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def take(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        bufs = self.free.setdefault((device, dtype), [])
+        for i, buf in enumerate(bufs):
+            if buf.numel() >= numel:
+                return bufs.pop(i)[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base
+        self.free.setdefault((buf.device, buf.dtype), []).append(base)
+
+
+def _pack(b: _Bucket, flat: torch.Tensor) -> None:
+    off = 0
+    for t in b.tensors:
+        n = t.numel()
+        flat[off:off + n].view(t.shape).copy_(t)
+        off += n
+
+
+def _unpack(b: _Bucket, flat: torch.Tensor) -> None:
+    off = 0
+    for t in b.tensors:
+        n = t.numel()
+        t.copy_(flat[off:off + n].view(t.shape))
+        off += n
+
+
+def _finish(b: _Bucket, flat: torch.Tensor, rank: int, src: int, ws: int) -> None:
+    if b.op == "mean":
+        if b.wire.is_floating_point or b.wire.is_complex:
+            flat.div_(ws)
+        else:
+            flat.div_(ws, rounding_mode="floor")
+        _unpack(b, flat)
+    elif rank != src:
+        _unpack(b, flat)
+
+
+@torch.no_grad()
+def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
+               reduce_buffers: bool = False, *, src: int = 0,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               max_in_flight: int = DEFAULT_IN_FLIGHT, group: Optional[Any] = None,
+               check: bool = True) -> None:
+    """Make ``module``'s parameters and buffers equal on every rank, in place.
+
+    Collective: every rank must call it with the same flags.
+
+    Args:
+        module: The model; its ``named_parameters()`` and ``named_buffers()`` are synced.
+        reduce_parameters: Average parameters across ranks instead of taking the
+            master's.
+        reduce_buffers: Average buffers across ranks (BatchNorm running stats) instead of
+            taking the master's. Integer buffers get the floor of the mean, bool
+            buffers always come from the master.
+        src: Rank whose tensors are broadcast (default 0, the master).
+        bucket_bytes: Target size of one flat bucket.
+        max_in_flight: Buckets in flight at once.
+        group: Process group (default: the world).
+        check: Verify first that every rank holds the same tensor list.
+
+    Raises:
+        ModelMismatchError: Ranks hold different parameter/buffer lists (names,
+            shapes or dtypes); raised on every rank, naming the first difference.
+    """
+    ws = active_world(group)
+    if not ws:
+        return
+    params = list(module.named_parameters())
+    buffers = list(module.named_buffers())
+    if check:
+        check_same_tensors(params + buffers, "sync_model", group)
+    work = [(p.data, "mean" if reduce_parameters else "broadcast") for _, p in params]
+    work += [(b, "mean" if reduce_buffers else "broadcast") for _, b in buffers]
+    rank = dist.get_rank(group)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    pool = _Pool()
+    pending: deque[tuple[_Bucket, torch.Tensor, Any]] = deque()
+    for b in _buckets(work, group, bucket_bytes):
+        flat = pool.take(b.device, b.wire, b.numel)
+        if b.op == "mean" or rank == src:
+            _pack(b, flat)
+        if b.op == "mean":
+            handle = dist.all_reduce(flat, group=group, async_op=True)
+        else:
+            handle = dist.broadcast(flat, global_src, group=group, async_op=True)
+        pending.append((b, flat, handle))
+        while len(pending) >= max(1, max_in_flight):
+            ob, oflat, oh = pending.popleft()
+            oh.wait()
+            _finish(ob, oflat, rank, src, ws)
+            pool.give(oflat)
+    while pending:
+        ob, oflat, oh = pending.popleft()
+        oh.wait()
+        _finish(ob, oflat, rank, src, ws)
+        pool.give(oflat)
