@@ -156,3 +156,22 @@ def test_plain_python_is_one_process_and_exits_cleanly() -> None:
     proc, _ = _single({})
     assert proc.returncode == 0, proc.stderr
     check_demo(proc.stdout, 1, "local")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["openmpi", "mpich"])
+def test_bin_mpirun_wrapper_with_hostfile(kind: str, tmp_path: Path) -> None:
+    """bin/hpc-mpirun passes the hostfile's first host as master: no mpi4py needed."""
+    from hpc.rendezvous import free_port
+
+    prefix, env = launcher(kind, tmp_path, 2, with_mpi4py=False)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# bare cluster\nlocalhost slots=2\n")
+    port = free_port()
+    env.update(HPC_MPIRUN=prefix[0], HPC_MASTER_PORT=str(port))
+    proc = subprocess.run([str(ROOT / "bin" / "hpc-mpirun"), str(hostfile), "2", *DEMO],
+                          capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = check_demo(proc.stdout, 2, kind)
+    assert {m[9] for m in rows} == {f"localhost:{port}"}
