@@ -116,15 +116,22 @@ def _monitor(procs: Sequence[subprocess.Popen[bytes]], pumps: Sequence[threading
         threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait(), time.time())),
                          daemon=True).start()
     seen: list[tuple[int, int, float]] = []
+
+    def terminated(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, terminated)  # scancel, timeouts: stop ranks too
     try:
         while len(seen) < len(procs):
             seen.append(exits.get())
             if seen[-1][1] != 0:
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _stop(procs)
-        print("hpc run: interrupted; stopped all ranks", file=sys.stderr)
-        return 130
+        print(f"hpc run: interrupted ({e or 'SIGINT'}); stopped all ranks", file=sys.stderr)
+        return 143 if str(e) == "SIGTERM" else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failed = [entry for entry in seen if entry[1] != 0]
     if failed:
         # Ranks that crashed because a peer died exit moments later; collect them too

@@ -175,3 +175,28 @@ def test_bin_mpirun_wrapper_with_hostfile(kind: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = check_demo(proc.stdout, 2, kind)
     assert {m[9] for m in rows} == {f"localhost:{port}"}
+
+
+@pytest.mark.timeout(60)
+def test_hpc_run_sigterm_stops_all_ranks(tmp_path: Path) -> None:
+    """scancel or a CI timeout SIGTERMs the launcher: no rank may be left behind."""
+    import os
+    import signal
+
+    marker = tmp_path / "pids"
+    code = (f"import os, time; open({str(marker)!r} + os.environ['RANK'], 'w')"
+            ".write(str(os.getpid())); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-m", "hpc", "run", "--nproc", "2", "--",
+                             sys.executable, "-c", code], env=clean_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"pids{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.1)
+    pids = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "stopped all ranks" in err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
