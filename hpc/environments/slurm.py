@@ -106,11 +106,15 @@ class SlurmEnvironment(Environment):
         def pick(step_key: str, job_key: str) -> str | None:
             return environ.get(step_key) or environ.get(job_key)
 
-        world = int(pick("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1)
+        def pick_int(step_key: str, job_key: str) -> int:
+            key = step_key if environ.get(step_key) else job_key
+            return env_int(environ, key, default=1, source=src)
+
+        world = pick_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
         rank = env_int(environ, "SLURM_PROCID", source=src)
         local_rank = env_int(environ, "SLURM_LOCALID", source=src)
         node_rank = env_int(environ, "SLURM_NODEID", default=0, source=src)
-        num_nodes = int(pick("SLURM_STEP_NUM_NODES", "SLURM_NNODES") or 1)
+        num_nodes = pick_int("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
         tpn_raw = pick("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
         tpn = expand_tasks_per_node(tpn_raw) if tpn_raw else [world]
         if len(tpn) != num_nodes or sum(tpn) != world:
