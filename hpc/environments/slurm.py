@@ -20,7 +20,8 @@ variables, which describe what ``sbatch``/``salloc`` asked for.
 ==============================  ======================================================
 
 The derived master port is ``15000 + (job_id * 64 + step_id) % 17000``: every step of
-a job and consecutive jobs get distinct ports below the ephemeral range.
+a job and consecutive jobs get distinct ports below the ephemeral range. The batch script
+(no ``SLURM_STEP_ID``) counts as step 4094, the extern step as 4095.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 def slurm_port(environ: Mapping[str, str]) -> int:
     """The master port for this job step, see the module docstring."""
     job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
-    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "0"
+    # No step id: the batch script (or an salloc shell), which is not step 0 and may run
+    # beside it on the same node; it gets the batch step's port.
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "4294967294"
     step = {"4294967294": "4094", "4294967295": "4095"}.get(step, step)
     return derive_port(job, step)
 
