@@ -83,43 +83,27 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
         return LocalEnvironment.read(env).replace(launcher=forced)
     for candidate in ORDER:
         if candidate.detect(env):
-            info = candidate.read(env)
+            try:
+                info = candidate.read(env)
+            except LaunchEnvironmentError as e:
+                # Hand-set RANK/WORLD_SIZE without LOCAL_RANK (or out of range): report
+                # the conflict with the real launcher, not the missing variable.
+                raw = (env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip())
+                if candidate is TorchrunEnvironment and all(v.isdigit() for v in raw):
+                    try:
+                        _check_hand_set(int(raw[0]), int(raw[1]), env)
+                    except InconsistentEnvironmentError as conflict:
+                        raise conflict from e
+                raise
             _cross_check(candidate, info, env)
             return info
     raise AssertionError("LocalEnvironment always detects")  # pragma: no cover
 
 
 def _cross_check(winner: type[Environment], info: DistInfo, env: Mapping[str, str]) -> None:
-    """Refuse hand-set torchrun variables that contradict the real launcher.
-
-    Nested launches are expected and not compared: torchrun/``hpc run`` agents inside
-    srun or mpirun (they mark their variables with TORCHELASTIC_RUN_ID/HPC_RUN_ID), and
-    MPI ranks inside an allocation (the SLURM_* variables belong to mpirun's own step).
-    What is left are variables exported by hand, e.g. ``export RANK=0`` in a batch
-    script, which would give every task the same rank.
-    """
+    """Refuse variables of two launchers that disagree about this process."""
     if winner is TorchrunEnvironment:
-        if "TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env:
-            return
-        others = [e for e in ORDER[1:-1] if e.detect(env)]
-        for other in others:
-            if other is SlurmEnvironment and not in_step(env):
-                continue
-            try:
-                theirs = other.read(env)
-            except LaunchEnvironmentError:
-                continue
-            if (theirs.world_size, theirs.rank) != (info.world_size, info.rank):
-                raise InconsistentEnvironmentError(
-                    f"RANK={info.rank} WORLD_SIZE={info.world_size} vs "
-                    f"{other.rank_var}={theirs.rank} ({other.name}, world size "
-                    f"{theirs.world_size}).\n"
-                    "The RANK/WORLD_SIZE variables were not set by torchrun (no "
-                    "TORCHELASTIC_RUN_ID) and contradict the launcher that started this "
-                    "process, usually because they were exported in a batch script.\n"
-                    "HINT: unset RANK, WORLD_SIZE and LOCAL_RANK before launching, or set "
-                    f"HPC_LAUNCHER={other.name} (or torchrun) to choose explicitly."
-                )
+        _check_hand_set(info.rank, info.world_size, env)
     if winner is SlurmEnvironment:
         for key in ("PMIX_RANK", "PMI_RANK"):
             if key in env and env[key].isdigit() and int(env[key]) != info.rank:
@@ -130,3 +114,34 @@ def _cross_check(winner: type[Environment], info: DistInfo, env: Mapping[str, st
                     "mpirun, not a mix; or set HPC_LAUNCHER explicitly."
                 )
 
+
+def _check_hand_set(rank: int, world: int, env: Mapping[str, str]) -> None:
+    """Refuse hand-set torchrun variables that contradict the real launcher.
+
+    Nested launches are expected and not compared: torchrun/``hpc run`` agents inside
+    srun or mpirun (they mark their variables with TORCHELASTIC_RUN_ID/HPC_RUN_ID), and
+    MPI ranks inside an allocation (the SLURM_* variables belong to mpirun's own step).
+    What is left are variables exported by hand, e.g. ``export RANK=0`` in a batch
+    script, which would give every task the same rank.
+    """
+    if "TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env:
+        return
+    others = [e for e in ORDER[1:-1] if e.detect(env)]
+    for other in others:
+        if other is SlurmEnvironment and not in_step(env):
+            continue
+        try:
+            theirs = other.read(env)
+        except LaunchEnvironmentError:
+            continue
+        if (theirs.world_size, theirs.rank) != (world, rank):
+            raise InconsistentEnvironmentError(
+                f"RANK={rank} WORLD_SIZE={world} vs "
+                f"{other.rank_var}={theirs.rank} ({other.name}, world size "
+                f"{theirs.world_size}).\n"
+                "The RANK/WORLD_SIZE variables were not set by torchrun (no "
+                "TORCHELASTIC_RUN_ID) and contradict the launcher that started this "
+                "process, usually because they were exported in a batch script.\n"
+                "HINT: unset RANK, WORLD_SIZE and LOCAL_RANK before launching, or set "
+                f"HPC_LAUNCHER={other.name} (or torchrun) to choose explicitly."
+            )
