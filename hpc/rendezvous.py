@@ -114,7 +114,9 @@ def resolve_master(info: DistInfo, environ: Mapping[str, str]) -> DistInfo:
         return info.replace(master_addr=addr, master_port=port)
     job = environ.get("SLURM_JOB_ID")
     if info.local_world_size == info.world_size:
-        ident = info.job_id or job or launcher_pid()
+        # Open MPI names its job; otherwise the process manager's pid, which all
+        # local ranks share and concurrent mpiexec runs in one allocation do not.
+        ident = info.job_id or launcher_pid()
         return info.replace(master_addr=info.master_addr or "127.0.0.1",
                             master_port=info.master_port or derive_port("mpi", ident))
     if job and environ.get("SLURM_JOB_NODELIST"):

@@ -110,4 +110,5 @@ class HydraEnvironment(Environment):
 
     @staticmethod
     def read(environ: Mapping[str, str]) -> DistInfo:
-        return _read(environ, "mpich", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+        return _read(environ, "mpich",
+                     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))

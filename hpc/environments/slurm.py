@@ -38,7 +38,11 @@ __all__ = ["SlurmEnvironment", "expand_hostnames", "expand_tasks_per_node", "slu
 
 _TPN = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 # SLURM_STEP_ID of the batch and extern steps (SLURM_BATCH_SCRIPT / SLURM_EXTERN_CONT).
-_SPECIAL_STEPS = {"4294967294": "batch", "4294967295": "extern"}
+# Special step ids of Slurm >= 20.11 (0xfffffffa..0xfffffffd) and older releases.
+_SPECIAL_STEPS = {
+    "4294967290": "interactive", "4294967291": "batch", "4294967292": "extern",
+    "4294967293": "pending", "4294967294": "batch", "4294967295": "extern",
+}
 
 
 def expand_hostnames(nodelist: str) -> list[str]:
@@ -77,7 +81,8 @@ def slurm_port(environ: Mapping[str, str]) -> int:
     # No step id: the batch script (or an salloc shell), which is not step 0 and may run
     # beside it on the same node; it gets the batch step's port.
     step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "4294967294"
-    step = {"4294967294": "4094", "4294967295": "4095"}.get(step, step)
+    if step in _SPECIAL_STEPS:  # keep special steps off the slots of srun steps 0..
+        step = str(4090 + int(step) - 4294967290)
     return derive_port(job, step)
 
 

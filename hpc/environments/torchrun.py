@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from hpc.environments.base import DistInfo, Environment, env_int
+from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["TorchrunEnvironment", "parse_local_rank"]
 
@@ -90,14 +91,24 @@ def parse_local_rank(argv: Sequence[str]) -> tuple[int | None, list[str]]:
         arg = args[i]
         for flag in ("--local_rank", "--local-rank"):
             if arg == flag and i + 1 < len(args):
-                found = int(args[i + 1])
+                found = _local_rank_value(args[i + 1])
                 i += 2
                 break
             if arg.startswith(flag + "="):
-                found = int(arg.split("=", 1)[1])
+                found = _local_rank_value(arg.split("=", 1)[1])
                 i += 1
                 break
         else:
             rest.append(arg)
             i += 1
     return found, rest
+
+
+def _local_rank_value(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise LaunchEnvironmentError(
+            f"--local_rank={raw!r} is not an integer.\n"
+            "HINT: the legacy launch utility passes --local_rank=N; do not pass it by hand."
+        ) from e

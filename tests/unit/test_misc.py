@@ -17,7 +17,7 @@ from hpc.environments.base import PORT_BASE, PORT_SPAN, DistInfo, derive_port
 from hpc.environments.slurm import slurm_port
 from hpc.errors import LaunchEnvironmentError, MasterAddressError
 from hpc.launch import rank_env
-from hpc.rendezvous import resolve_master
+from hpc.rendezvous import launcher_pid, resolve_master
 from tests.unit.envdumps import load, parse_header
 
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -148,8 +148,9 @@ def test_resolve_master_single_node() -> None:
     info = resolve_master(mpi_info(1, 4, 4), {})  # MPICH: no job id, the launcher's pid
     assert info.master_addr == "127.0.0.1"
     assert PORT_BASE <= info.master_port < PORT_BASE + PORT_SPAN
+    # Inside an allocation too: two mpiexec runs of one job must not share a port.
     inside = resolve_master(mpi_info(1, 4, 4), {"SLURM_JOB_ID": "77"})
-    assert inside.master_port == derive_port("mpi", "77")
+    assert inside.master_port == info.master_port == derive_port("mpi", launcher_pid())
 
 
 @pytest.mark.usefixtures("no_mpi4py")
