@@ -1,0 +1,42 @@
+"""Distributed supernet pretraining without DDP, with checkpoints and exact resume.
+
+Public API (importing this package does not import torch; names load on first use)::
+
+    from hpc.pretrain import PretrainConfig, pretrain
+    result = pretrain(PretrainConfig(epochs=5, out="runs/x"))
+
+See ``docs/pretrain.md`` for the search-space protocol, the run directory and resume.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "pretrain", "PretrainConfig", "PretrainResult", "StopFlag",
+    "SearchSpace", "Supernet", "derive_seed", "arch_generator",
+    "PretrainData", "load_data", "load_digits", "load_file",
+]
+
+_LAZY = {
+    "pretrain": "hpc.pretrain.loop", "PretrainResult": "hpc.pretrain.loop",
+    "StopFlag": "hpc.pretrain.loop", "PretrainConfig": "hpc.pretrain.config",
+    "SearchSpace": "hpc.pretrain.space", "Supernet": "hpc.pretrain.space",
+    "derive_seed": "hpc.pretrain.space", "arch_generator": "hpc.pretrain.space",
+    "PretrainData": "hpc.pretrain.data", "load_data": "hpc.pretrain.data",
+    "load_digits": "hpc.pretrain.data", "load_file": "hpc.pretrain.data",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpc.pretrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,205 @@
+"""Checkpoint files: atomic save, keep-last-K, verified load with fallback, RNG states.
+
+Files are ``ckpt-<step:08d>.pt`` in a checkpoint directory, each with a
+``ckpt-<step:08d>.pt.sha256`` sidecar in ``sha256sum`` format (``sha256sum -c`` checks
+it). A save writes a temporary file in the same directory, flushes and fsyncs it,
+renames it over the final name and fsyncs the directory, so a crash leaves either the
+old set of files or the new one, never a half-written ``.pt``.
+
+Loading uses ``torch.load(weights_only=True)``: checkpoints hold tensors and plain
+Python values only (RNG states included, see :func:`capture_rng`). A newest checkpoint
+that is truncated, corrupt or fails its checksum is skipped with a warning and the
+previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from hpc.errors import CheckpointError
+
+__all__ = ["save_atomic", "list_checkpoints", "prune", "load_checkpoint", "load_latest",
+           "checkpoint_path", "capture_rng", "restore_rng", "sha256_file"]
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
+PathLike = Union[str, Path]
+
+
+def checkpoint_path(directory: PathLike, step: int) -> Path:
+    """The file name of the checkpoint taken after global step ``step``."""
+    return Path(directory) / f"ckpt-{step:08d}.pt"
+
+
+def sha256_file(path: PathLike) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def save_atomic(obj: Any, path: PathLike) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically, then its ``.sha256`` sidecar.
+
+    The sidecar is written after the checkpoint is in place; a checkpoint without one
+    (a crash in between) is still loadable, it is just not checksum-verified.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, lambda f: torch.save(obj, f))
+    line = f"{sha256_file(path)}  {path.name}\n".encode()
+    _write_atomic(path.with_name(path.name + ".sha256"), lambda f: f.write(line))
+    return path
+
+
+def list_checkpoints(directory: PathLike) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest (lowest step) first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _NAME.match(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def prune(directory: PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (and sidecars); return the deleted."""
+    old = list_checkpoints(directory)[:-keep] if keep > 0 else []
+    for path in old:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".sha256").unlink(missing_ok=True)
+    return old
+
+
+def load_checkpoint(path: PathLike) -> dict[str, Any]:
+    """Verify (when a sidecar exists) and load one checkpoint on the CPU.
+
+    Raises:
+        CheckpointError: the file is missing, fails its checksum, or cannot be read
+            (truncated, corrupt, or holding objects ``weights_only`` refuses).
+    """
+    path = Path(path)
+    sidecar = path.with_name(path.name + ".sha256")
+    try:
+        if sidecar.is_file():
+            expected = sidecar.read_text().split()[0]
+            actual = sha256_file(path)
+            if actual != expected:
+                raise CheckpointError(
+                    f"{path} has SHA-256 {actual[:16]}... but {sidecar.name} records "
+                    f"{expected[:16]}...: the file changed after it was written "
+                    "(truncated or corrupted).\n"
+                    "HINT: delete it to resume from the previous checkpoint.")
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # zip/pickle/OS errors: all mean "unusable"
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: {type(e).__name__}: {e}.\n"
+            "It is truncated, corrupt, or holds objects weights_only=True refuses.\n"
+            "HINT: delete it to resume from the previous checkpoint.") from e
+    if not isinstance(payload, dict) or "step" not in payload:
+        raise CheckpointError(
+            f"{path} holds a {type(payload).__name__} without a 'step', not a pretrain "
+            "checkpoint.\nHINT: point --resume at a file written by hpc pretrain.")
+    return payload
+
+
+def load_latest(directory: PathLike) -> Optional[tuple[Path, dict[str, Any]]]:
+    """The newest loadable checkpoint in ``directory`` (``None`` when there is none).
+
+    Unusable newer checkpoints are skipped with a warning naming the file and the error.
+
+    Raises:
+        CheckpointError: checkpoints exist but none of them loads.
+    """
+    candidates = list_checkpoints(directory)
+    errors = []
+    for path in reversed(candidates):
+        try:
+            payload = load_checkpoint(path)
+        except CheckpointError as e:
+            first = str(e).splitlines()[0]
+            errors.append(first)
+            logger.warning("skipping checkpoint %s: %s; falling back to the previous one",
+                           path.name, first)
+            continue
+        return path, payload
+    if errors:
+        raise CheckpointError(
+            f"none of the {len(candidates)} checkpoints in {directory} loads: "
+            + "; ".join(errors) + ".\n"
+            "HINT: start over with --resume never and a fresh --out directory.")
+    return None
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's python, numpy, torch CPU and CUDA RNG states as plain values."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64),
+                   "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng` (CUDA states only when this process has CUDA)."""
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()),
+                     py["gauss"]))
+    npst = state["numpy"]
+    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32),
+                         int(npst["pos"]), int(npst["has_gauss"]), float(npst["cached"])))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:
+            logger.warning("checkpoint holds %d CUDA RNG states but %d devices are "
+                           "visible; CUDA RNG not restored", len(states),
+                           torch.cuda.device_count())

@@ -1,0 +1,129 @@
+"""``hpc pretrain``: supernet pretraining on digits (or your data) under any launcher.
+
+Runs unchanged under ``hpc run --nproc N``, ``torchrun``, ``srun`` and ``mpirun``: it
+only calls :func:`hpc.init_torch`. Exit status 0 when the run completed or stopped
+cleanly at a checkpoint, 1 on a configuration/checkpoint error (same on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from hpc.pretrain.config import PretrainConfig
+
+__all__ = ["add_parser", "config_from_args", "main"]
+
+logger = logging.getLogger(__name__)
+
+EPILOG = """examples:
+  hpc run --nproc 4 -- hpc pretrain --out runs/digits
+  torchrun --nproc-per-node 4 -m hpc pretrain --out runs/digits
+  srun --ntasks 8 hpc pretrain --out $SCRATCH/digits      # resumes on requeue
+  hpc pretrain --data my.npz --epochs 30 --out runs/mine  # keys x_train,y_train,x_val,y_val
+"""
+
+
+def _build(p: argparse.ArgumentParser) -> None:
+    d = PretrainConfig()
+    a = p.add_argument
+    a("--epochs", type=int, default=d.epochs, help=f"epochs (default {d.epochs})")
+    a("--batch-size", type=int, default=d.batch_size,
+      help=f"samples per rank per step (default {d.batch_size})")
+    a("--lr", type=float, default=d.lr, help=f"peak learning rate, cosine to 0 (default {d.lr})")
+    a("--optimizer", choices=("sgd", "adamw"), default=d.optimizer,
+      help=f"optimizer (default {d.optimizer}, Nesterov momentum)")
+    a("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
+    a("--weight-decay", type=float, default=d.weight_decay,
+      help=f"weight decay (default {d.weight_decay})")
+    a("--label-smoothing", type=float, default=d.label_smoothing,
+      help=f"label smoothing (default {d.label_smoothing})")
+    a("--seed", type=int, default=d.seed, help=f"seed of weights, split, order, archs "
+      f"(default {d.seed})")
+    a("--data", default=None, metavar="FILE",
+      help="an .npz/.pt file with x_train,y_train,x_val,y_val (default: sklearn digits)")
+    a("--val-fraction", type=float, default=d.val_fraction,
+      help=f"digits held out for validation (default {d.val_fraction})")
+    a("--width", type=int, default=d.width, help=f"supernet channels (default {d.width})")
+    a("--val-archs", type=int, default=d.val_archs,
+      help=f"sub-networks validated per epoch (default {d.val_archs})")
+    a("--val-every", type=int, default=d.val_every,
+      help=f"validate every N epochs, 0 = last only (default {d.val_every})")
+    a("--recal-samples", type=int, default=d.recal_samples,
+      help=f"train images recalibrating BatchNorm per validated sub-net, 0 = off "
+      f"(default {d.recal_samples})")
+    a("--out", default=d.out, metavar="DIR",
+      help=f"run directory, written by rank 0 (default {d.out})")
+    a("--no-out", dest="out", action="store_const", const=None,
+      help="write nothing: no run directory, no checkpoints")
+    a("--resume", nargs="?", const="auto", default=d.resume, metavar="PATH",
+      help="resume from PATH (a checkpoint or directory); default: auto-resume from "
+      "DIR/checkpoints when it holds any")
+    a("--no-resume", dest="resume", action="store_const", const="never",
+      help="never resume; refuse a DIR that holds checkpoints")
+    a("--ckpt-every", type=int, default=d.ckpt_every,
+      help="also checkpoint every N steps (default: epoch ends and stops only)")
+    a("--keep", type=int, default=d.keep, help=f"checkpoints kept (default {d.keep})")
+    a("--max-steps", type=int, default=None,
+      help="stop with a checkpoint after this global step (schedule still spans --epochs)")
+    a("--elastic", action="store_true",
+      help="allow resuming with a different number of ranks (not exact)")
+    a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    a("--check-sync", action="store_true",
+      help="debug: verify after every step that all ranks hold identical weights")
+    a("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"),
+      help="console level on local masters (default INFO)")
+
+
+def config_from_args(args: argparse.Namespace) -> PretrainConfig:
+    """The :class:`PretrainConfig` an ``hpc pretrain`` command line describes."""
+    names = PretrainConfig.__dataclass_fields__
+    return PretrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
+    from hpc.errors import HPCError
+
+    cfg = config_from_args(args)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"hpc pretrain: {e}", file=sys.stderr)
+        return 2
+    cfg.setup_logging = False
+    import hpc
+    from hpc.pretrain.loop import pretrain
+
+    info = hpc.init_torch(seed=cfg.seed)
+    log_file = f"{cfg.out}/pretrain.log" if cfg.out else None
+    hpc.setup_logging(info, level=getattr(logging, args.log_level), log_file=log_file)
+    try:
+        result = pretrain(cfg)
+    except (HPCError, ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 1
+    return 0 if result.status in ("completed", "stopped") else 1
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``hpc pretrain`` (no torch import here: ``hpc --help`` stays fast)."""
+    p = sub.add_parser("pretrain", help="distributed supernet pretraining (digits by default)",
+                       description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _build(p)
+    p.set_defaults(func=main)
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hpc.pretrain.cli ARGS``: the same as ``hpc pretrain ARGS``."""
+    parser = argparse.ArgumentParser(prog="hpc pretrain")
+    _build(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run())

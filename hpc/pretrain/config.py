@@ -1,0 +1,117 @@
+"""The pretraining configuration: one dataclass shared by the API, the CLI and checkpoints.
+
+Torch-free on purpose: ``hpc --help`` builds the ``pretrain`` parser from these defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["PretrainConfig", "EXACTNESS_FIELDS"]
+
+#: Fields that must not change between a run and its resume for the resume to be exact.
+EXACTNESS_FIELDS = ("seed", "epochs", "batch_size", "lr", "optimizer", "momentum",
+                    "weight_decay", "label_smoothing", "data", "val_fraction", "width")
+
+
+@dataclasses.dataclass
+class PretrainConfig:
+    """Everything that defines a pretraining run.
+
+    Attributes:
+        epochs: Passes over the training split.
+        batch_size: Samples per rank per step (the global batch is ``batch_size * world``).
+        lr: Peak learning rate; cosine-annealed to 0 over all steps, per step.
+        optimizer: ``sgd`` (Nesterov momentum) or ``adamw``.
+        momentum: SGD momentum.
+        weight_decay: Weight decay of either optimizer.
+        label_smoothing: Cross-entropy label smoothing.
+        seed: Seeds the initial weights, the train/val split, the sampler's shuffle and
+            every architecture draw (from ``(seed, rank, step)``).
+        data: ``None`` for scikit-learn's digits, or an ``.npz``/``.pt`` file (see
+            :func:`hpc.pretrain.data.load_file`).
+        val_fraction: Share of digits held out for validation (ignored for ``data``).
+        width: Channels of the default supernet.
+        val_archs: Sub-networks evaluated at each epoch end (the same on every rank).
+        recal_samples: Training images (over all ranks) used to recalibrate each
+            validated sub-network's BatchNorm statistics; 0 evaluates with the shared
+            statistics (see :mod:`hpc.pretrain.evaluate`).
+        val_every: Validate every N epochs (the last epoch always validates); 0 = only
+            at the end.
+        out: Run directory, written by the global master only; ``None`` writes nothing
+            (no checkpoints, no metrics) — handy for benchmarks.
+        resume: ``auto`` resumes when ``out`` holds checkpoints, ``never`` starts over
+            (refusing a run directory that holds checkpoints), or the path of a
+            checkpoint file or directory to resume from.
+        ckpt_every: Also checkpoint every N steps (0 = only at epoch ends and at stops).
+        keep: How many checkpoints to keep (the newest).
+        elastic: Allow resuming with a different world size: weights, optimizer and
+            schedule continue, the epoch resumes near the same sample count, RNG
+            streams are reseeded. Not exact; without it such a resume is refused.
+        max_steps: Stop (with a checkpoint) once this global step is reached, even
+            mid-epoch; ``None`` = run all epochs. The schedule still spans ``epochs``.
+        progress: Show a tqdm bar on local masters.
+        check_sync: Debug: after every step all-gather a digest of parameters and
+            buffers and raise :class:`~hpc.ModelMismatchError` when ranks differ.
+        setup_logging: Call :func:`hpc.setup_logging` with the run directory's log file.
+    """
+
+    epochs: int = 15
+    batch_size: int = 32
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.0
+    seed: int = 0
+    data: Optional[str] = None
+    val_fraction: float = 0.2
+    width: int = 32
+    val_archs: int = 4
+    val_every: int = 1
+    recal_samples: int = 512
+    out: Optional[str] = "runs/pretrain"
+    resume: str = "auto"
+    ckpt_every: int = 0
+    keep: int = 3
+    elastic: bool = False
+    max_steps: Optional[int] = None
+    progress: bool = True
+    check_sync: bool = False
+    setup_logging: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (house format) on an impossible value."""
+        problems = []
+        for name in ("epochs", "batch_size", "keep", "val_archs", "width"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} (must be >= 1)")
+        for name in ("ckpt_every", "val_every", "recal_samples"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} (must be >= 0)")
+        if self.lr <= 0:
+            problems.append(f"lr={self.lr} (must be > 0)")
+        if self.optimizer not in ("sgd", "adamw"):
+            problems.append(f"optimizer={self.optimizer!r} (valid: 'sgd', 'adamw')")
+        if not 0.0 < self.val_fraction < 1.0:
+            problems.append(f"val_fraction={self.val_fraction} (must be in (0, 1))")
+        if self.max_steps is not None and self.max_steps < 1:
+            problems.append(f"max_steps={self.max_steps} (must be >= 1 or None)")
+        if self.resume != "auto" and self.resume != "never" and not Path(self.resume).exists():
+            problems.append(f"resume={self.resume!r} (no such file or directory)")
+        if problems:
+            raise ValueError(
+                "invalid pretrain configuration: " + "; ".join(problems) + ".\n"
+                "HINT: see `hpc pretrain --help` for the valid ranges.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (stored in ``config.json`` and in checkpoints)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "PretrainConfig":
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (older/newer runs)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})

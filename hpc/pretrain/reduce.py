@@ -1,0 +1,137 @@
+"""The loop's own collectives: one fused all_reduce per step, and the sync checks.
+
+BatchNorm statistics. Every rank trains a different sub-network, so each rank updates
+the running statistics of different BatchNorm layers, and they drift apart. Training
+itself does not read them (BN normalises with batch statistics in train mode); only
+validation and checkpoints do. The loop therefore averages every BatchNorm running
+mean/variance across ranks after every step, packed into the same small all_reduce that
+already carries the step's loss/accuracy and the stop-request flag (see
+:class:`StepReducer`). This keeps parameters *and* buffers identical on every rank after
+every step, which is what makes a checkpoint taken at any step (including an
+unscheduled one after a stop request) resume bitwise-exactly, at the cost of a few
+kilobytes per step in a collective the loop makes anyway. Averaging running variances
+ignores the spread of per-rank means, as timm's ``distribute_bn(reduce=True)`` does.
+These shared statistics mix every sub-network's activations, so validation recalibrates
+them per sub-network first (:mod:`hpc.pretrain.evaluate`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hpc.errors import ModelMismatchError
+
+__all__ = ["StepReducer", "StepStats", "model_digest", "check_identical",
+           "broadcast_object", "all_ok"]
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass
+class StepStats:
+    """One step's metrics over all ranks."""
+
+    loss: float        #: mean training loss over the global batch
+    acc: float         #: training accuracy over the global batch
+    samples: int       #: global batch size
+    stop: bool         #: some rank asked to stop at this step boundary
+
+
+class StepReducer:
+    """Reduces step metrics, the stop flag and BN running statistics in one all_reduce.
+
+    Args:
+        module: The supernet; the running statistics of its BatchNorm layers (any
+            ``nn.modules.batchnorm._BatchNorm``) are averaged across ranks. Other
+            buffers are left alone.
+        device: Device of the model (the flat buffer lives there).
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.buffers: list[Tensor] = []
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                for b in (m.running_mean, m.running_var, m.num_batches_tracked):
+                    if b is not None:
+                        self.buffers.append(b)
+        self.device = device
+        self.world = _world()
+
+    @torch.no_grad()
+    def __call__(self, loss_sum: Tensor, correct: Tensor, count: int,
+                 stop: bool) -> StepStats:
+        head = torch.stack([loss_sum.detach().float(), correct.float(),
+                            torch.tensor(float(count), device=loss_sum.device),
+                            torch.tensor(float(stop), device=loss_sum.device)])
+        if self.world == 1:
+            values = head.tolist()
+        else:
+            flat = torch.cat([head.to(self.device)]
+                             + [b.reshape(-1).float() for b in self.buffers])
+            dist.all_reduce(flat)
+            values = flat[:4].tolist()
+            off = 4
+            for b in self.buffers:
+                n = b.numel()
+                mean = flat[off:off + n].view(b.shape) / self.world
+                b.copy_(mean if b.is_floating_point() else mean.round())
+                off += n
+        loss, corr, n, flag = values
+        return StepStats(loss=loss / max(n, 1.0), acc=corr / max(n, 1.0), samples=int(n),
+                         stop=flag > 0)
+
+
+def model_digest(module: nn.Module) -> int:
+    """A 63-bit BLAKE2b digest of every parameter's and buffer's bytes (and names)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def check_identical(module: nn.Module, step: int) -> None:
+    """Debug check: raise on every rank when ranks hold different weights or buffers.
+
+    Raises:
+        ModelMismatchError: the digests differ; the message lists each rank's.
+    """
+    digest = model_digest(module)
+    if _world() == 1:
+        return
+    digests: list[Any] = [None] * _world()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        table = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
+        raise ModelMismatchError(
+            f"after step {step} the ranks hold different models ({table}).\n"
+            "A rank skipped sync_gradients, stepped a different optimizer, or the "
+            "search space has state outside its parameters and BatchNorm buffers.\n"
+            "HINT: call hpc.sync_gradients(model) after backward on every rank, and keep "
+            "randomness in sample(generator).")
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (identity without a process group)."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_ok(ok: bool, device: Optional[torch.device] = None) -> bool:
+    """True on every rank when ``ok`` is true on every rank (one tiny all_reduce)."""
+    if _world() == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=device or torch.device("cpu"))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

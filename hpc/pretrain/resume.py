@@ -1,0 +1,193 @@
+"""Taking checkpoints of a running pretrain job, and putting a job back where it stopped.
+
+A checkpoint (``<out>/checkpoints/ckpt-<step>.pt``) holds everything an exact resume
+needs: model, optimizer and scheduler state, the global step, the position (epoch and
+batch within it) of the next step, the configuration and world size, the last
+validation accuracies, and every rank's RNG states (python, numpy, torch CPU, CUDA)
+gathered on the master. The architecture draws need no state: they are re-derived from
+``(seed, rank, step)``, and the data order from ``(seed, epoch)``.
+
+The master chooses the checkpoint (skipping corrupt ones with a warning) and broadcasts
+its path; every rank then loads that file, so the run directory must be on a filesystem
+every node sees (as it is for any Slurm job writing to ``$HOME`` or a project space).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hpc
+from hpc.errors import CheckpointError
+from hpc.pretrain.checkpoint import (capture_rng, checkpoint_path, list_checkpoints,
+                                     load_checkpoint, load_latest, prune, restore_rng,
+                                     save_atomic)
+from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
+from hpc.pretrain.reduce import all_ok, broadcast_object
+from hpc.pretrain.space import derive_seed
+
+__all__ = ["Position", "restore", "save", "FORMAT"]
+
+logger = logging.getLogger(__name__)
+
+#: Version of the checkpoint layout.
+FORMAT = 1
+
+
+@dataclasses.dataclass
+class Position:
+    """Where the loop starts: after ``step`` steps, at batch ``batch`` of ``epoch``."""
+
+    path: Optional[str] = None
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+    val_acc: list[float] = dataclasses.field(default_factory=list)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
+         optimizer: torch.optim.Optimizer, scheduler: Any, *, step: int, epoch: int,
+         batch: int, world: int, val_acc: list[float]) -> Optional[str]:
+    """Checkpoint the state after ``step`` (collective: gathers every rank's RNG).
+
+    ``epoch``/``batch`` are the position of the *next* step. Only the global master
+    writes; it keeps the newest ``cfg.keep`` checkpoints. Returns the path (on every
+    rank), or ``None`` when there is no run directory.
+    """
+    if run_dir is None:
+        return None
+    path = checkpoint_path(run_dir / "checkpoints", step)
+    states: Optional[list[Any]] = None
+    rank = dist.get_rank() if _world() > 1 else 0
+    if _world() > 1:
+        states = [None] * world if rank == 0 else None
+        dist.gather_object(capture_rng(), states, dst=0)
+    else:
+        states = [capture_rng()]
+    if rank != 0:
+        return str(path)
+    payload = {
+        "format": FORMAT, "step": step, "epoch": epoch, "batch": batch,
+        "world_size": world, "seed": cfg.seed, "config": cfg.to_dict(),
+        "val_acc": [float(a) for a in val_acc],
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "rng": states,
+    }
+    save_atomic(payload, path)
+    removed = prune(path.parent, cfg.keep)
+    logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
+    return str(path)
+
+
+def _choose(cfg: PretrainConfig, run_dir: Optional[Path]
+            ) -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
+    """(path, error, payload) on the master: which checkpoint to resume from, if any."""
+    ckpt_dir = run_dir / "checkpoints" if run_dir is not None else None
+    if cfg.resume == "never":
+        if ckpt_dir is not None and list_checkpoints(ckpt_dir):
+            return None, (
+                f"{ckpt_dir} already holds {len(list_checkpoints(ckpt_dir))} checkpoints "
+                "and resume='never' would overwrite them.\n"
+                "HINT: pass --resume auto to continue that run, or a new --out "
+                "directory to start over."), None
+        return None, None, None
+    target = ckpt_dir if cfg.resume == "auto" else Path(cfg.resume)
+    if target is None or (cfg.resume == "auto" and not target.is_dir()):
+        return None, None, None
+    try:
+        if target.is_dir():
+            found = load_latest(target)
+            if found is None:
+                if cfg.resume != "auto":
+                    return None, f"no checkpoint in {target}.\nHINT: check --resume.", None
+                return None, None, None
+            return str(found[0]), None, found[1]
+        return str(target), None, load_checkpoint(target)
+    except CheckpointError as e:
+        return None, str(e), None
+
+
+def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
+            optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, world: int,
+            steps_per_epoch: int) -> Position:
+    """Load the checkpoint to resume from (if any) into the given objects, on every rank.
+
+    Raises:
+        CheckpointError: on every rank, when the chosen checkpoint cannot be used: none
+            loads, a rank cannot read it, or the world size changed without
+            ``cfg.elastic``.
+    """
+    path, error, payload = _choose(cfg, run_dir) if rank == 0 else (None, None, None)
+    path, error = broadcast_object((path, error))
+    if error is not None:
+        raise CheckpointError(error)
+    if path is None:
+        return Position()
+    failure: Optional[CheckpointError] = None
+    if payload is None:
+        try:
+            payload = load_checkpoint(path)
+        except CheckpointError as e:
+            failure = e
+    if not all_ok(failure is None, hpc.device()) or payload is None:
+        raise CheckpointError(
+            f"rank {rank} could not use checkpoint {path} chosen by rank 0"
+            + (f": {str(failure).splitlines()[0]}" if failure else " (another rank failed)")
+            + ".\nEvery rank loads the file the master chose.\n"
+            "HINT: put --out on a filesystem every node mounts (home or project space, "
+            "not node-local /tmp).") from failure
+    _warn_config_changes(payload.get("config", {}), cfg)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
+    saved_world = int(payload["world_size"])
+    if saved_world == world:
+        restore_rng(payload["rng"][rank])
+    else:
+        if not cfg.elastic:
+            raise CheckpointError(
+                f"checkpoint {path} was written by {saved_world} ranks but this run has "
+                f"{world}.\nThe sampler's partition, the per-rank RNG streams and the "
+                "steps per epoch depend on the world size, so the resume would not be "
+                "exact.\n"
+                f"HINT: relaunch with {saved_world} ranks, or pass --elastic to continue "
+                "from its weights anyway.")
+        saved_batch = int(payload.get("config", {}).get("batch_size", cfg.batch_size))
+        consumed = batch * saved_world * saved_batch
+        batch = min(consumed // (world * cfg.batch_size), steps_per_epoch)
+        position = epoch * steps_per_epoch + batch
+        scheduler.last_epoch = position
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * scheduler.lr_lambdas[0](position)
+        hpc.seed_everything(derive_seed(cfg.seed, rank, step))
+        if rank == 0:
+            logger.warning(
+                "world size changed %d -> %d: resuming from %s NOT exactly: epoch %d "
+                "continues at batch %d/%d (same sample count), schedule at step %d of %d, "
+                "RNG streams reseeded from (seed, rank, step)", saved_world, world, path,
+                epoch + 1, batch, steps_per_epoch, position, cfg.epochs * steps_per_epoch)
+    if rank == 0:
+        logger.info("resumed from %s: step %d done, next: epoch %d batch %d", path, step,
+                    epoch + 1, batch)
+    return Position(path=path, step=step, epoch=epoch, batch=batch,
+                    val_acc=[float(a) for a in payload.get("val_acc", [])])
+
+
+def _warn_config_changes(saved: dict[str, Any], cfg: PretrainConfig) -> None:
+    current = cfg.to_dict()
+    changed = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in EXACTNESS_FIELDS
+               if k in saved and saved[k] != current[k]]
+    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("resuming with changed settings (%s): the continuation is not "
+                       "exact", "; ".join(changed))
