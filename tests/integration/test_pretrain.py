@@ -1,0 +1,216 @@
+"""``hpc pretrain`` with real ranks (gloo over loopback): sync, exact resume, IO roles.
+
+Tiny config (width 16, batch 64, 2 epochs = 2 x 11 steps on 2 ranks) except the one
+accuracy test, which runs the default configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import LAUNCHER_VARS
+from tests.helpers import ROOT, clean_env, script
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+TINY = ["--epochs", "2", "--batch-size", "64", "--width", "16", "--val-archs", "2",
+        "--recal-samples", "128", "--no-progress"]
+STEPS = 22  # 2 epochs x ceil(1437 / 2) // 64 steps on 2 ranks
+API = script("pretrain_api.py")
+SUMMARY = re.compile(r"epoch (\d+)/(\d+) step (\d+): train loss")
+
+
+def _env() -> dict[str, str]:
+    # Module-scoped fixtures run before conftest's per-test clearing: filter here too.
+    return {k: v for k, v in clean_env().items() if not LAUNCHER_VARS.match(k)}
+
+
+def run(nproc: int, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    """``hpc run --nproc N -- hpc pretrain ARGS`` (or a ``.py`` script when ARGS[0] is one)."""
+    cmd = list(args) if args[0].endswith(".py") else ["hpc", "pretrain", *args]
+    argv = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--", *cmd]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=_env(), cwd=ROOT)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def result(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def steps_in_metrics(run_dir: Path, split: str = "train") -> list[int]:
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r["split"] == split]
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
+    return torch.load(newest, map_location="cpu", weights_only=True)
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Bitwise-equal model, optimizer and scheduler state, and the same position."""
+    assert (a["step"], a["epoch"], a["batch"]) == (b["step"], b["epoch"], b["batch"])
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"model tensor {k} differs"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for name in sa[k]:
+            assert torch.equal(sa[k][name], sb[k][name]), f"optimizer state {k}.{name}"
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+    assert a["val_acc"] == b["val_acc"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """2 ranks, 2 epochs in one go, every step checked identical across ranks."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    return out, ok(run(2, *TINY, "--check-sync", "--out", str(out)))
+
+
+@pytest.mark.timeout(150)
+def test_two_ranks_identical_after_every_step(straight: tuple[Path, Any]) -> None:
+    out, _ = straight
+    res = result(out)
+    assert res["status"] == "completed" and res["world_size"] == 2
+    assert res["step"] == STEPS and res["sync_checks"] == STEPS
+
+
+@pytest.mark.timeout(150)
+def test_console_lines_once_per_node_and_files_from_master(straight: tuple[Path, Any]
+                                                           ) -> None:
+    out, proc = straight
+    summaries = [line for line in proc.stderr.splitlines() if SUMMARY.search(line)]
+    assert len(summaries) == 2, proc.stderr
+    assert all(line.startswith("[rank 0] ") for line in summaries)
+    assert not [line for line in proc.stderr.splitlines()
+                if line.startswith("[rank 1] ") and " INFO " in line]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints", "config.json", "metrics.csv", "metrics.png", "pretrain.log",
+        "result.json"]
+    log = (out / "pretrain.log").read_text().splitlines()
+    assert sum(bool(SUMMARY.search(line)) for line in log) == 2
+    assert all("[rank 0/2 " in line for line in log if line[:2].isdigit())
+    assert steps_in_metrics(out) == list(range(1, STEPS + 1))
+    assert steps_in_metrics(out, "val") == [STEPS // 2, STEPS]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["ckpt-00000011.pt", "ckpt-00000011.pt.sha256",
+                     "ckpt-00000022.pt", "ckpt-00000022.pt.sha256"]
+    assert json.loads((out / "config.json").read_text())["steps_per_epoch"] == STEPS // 2
+
+
+@pytest.mark.timeout(100)
+def test_four_ranks_identical_after_every_step(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = ok(run(4, *TINY, "--check-sync", "--max-steps", "3", "--out", str(out)))
+    res = result(out)
+    assert (res["status"], res["step"], res["sync_checks"], res["world_size"]) == (
+        "stopped", 3, 3, 4)
+    assert proc.stderr.count("stopping at step 3") == 1
+
+
+@pytest.mark.timeout(100)
+def test_sync_check_catches_ranks_that_drift(tmp_path: Path) -> None:
+    proc = run(2, API, "desync", "--out", str(tmp_path / "run"))
+    assert proc.returncode != 0
+    assert "after step 1 the ranks hold different models" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_resume_at_epoch_boundary_is_bitwise_exact(straight: tuple[Path, Any],
+                                                   tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    ok(run(2, *TINY, "--max-steps", str(STEPS // 2), "--out", str(out)))
+    assert result(out)["status"] == "stopped"
+    # Another world size is refused, with the fix in the message.
+    proc = run(1, *TINY, "--out", str(out))
+    assert proc.returncode == 1
+    assert "was written by 2 ranks but this run has 1" in proc.stderr
+    assert "HINT: relaunch with 2 ranks" in proc.stderr
+    proc = ok(run(2, *TINY, "--out", str(out)))
+    assert "resumed from" in proc.stderr
+    assert result(out)["status"] == "completed"
+    assert_same_state(final_state(straight[0]), final_state(out))
+    assert steps_in_metrics(out) == list(range(1, STEPS + 1))
+    assert _losses(out) == _losses(straight[0])
+
+
+def _losses(run_dir: Path) -> list[tuple[str, ...]]:
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [(r["step"], r["split"], r["loss"], r["acc"], r["acc_best"], r["lr"])
+                for r in csv.DictReader(f)]
+
+
+@pytest.mark.timeout(150)
+def test_stop_request_on_one_rank_then_resume_is_exact(straight: tuple[Path, Any],
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = ok(run(2, API, "stop", "--stop-rank", "1", "--stop-at", "5", "--out", str(out)))
+    line = next(x for x in proc.stdout.splitlines() if "RESULT " in x)
+    res = json.loads(line.split("RESULT ", 1)[1])
+    assert (res["status"], res["step"]) == ("stopped", 5)
+    assert res["checkpoint"].endswith("ckpt-00000005.pt")
+    assert (final_state(out)["epoch"], final_state(out)["batch"]) == (0, 5)
+    ok(run(2, *TINY, "--out", str(out)))
+    assert_same_state(final_state(straight[0]), final_state(out))
+    assert steps_in_metrics(out) == list(range(1, STEPS + 1))
+    assert _losses(out) == _losses(straight[0])
+
+
+@pytest.mark.timeout(150)
+def test_corrupt_newest_checkpoint_falls_back_to_previous(straight: tuple[Path, Any],
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    ok(run(2, *TINY, "--max-steps", "6", "--ckpt-every", "2", "--out", str(out)))
+    ckpts = sorted((out / "checkpoints").glob("ckpt-*.pt"))
+    assert [p.name for p in ckpts] == ["ckpt-00000002.pt", "ckpt-00000004.pt",
+                                       "ckpt-00000006.pt"]
+    newest = ckpts[-1]
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    proc = ok(run(2, *TINY, "--ckpt-every", "2", "--out", str(out)))
+    assert proc.stderr.count("skipping checkpoint ckpt-00000006.pt") == 1, proc.stderr
+    assert "resumed from " + str(out / "checkpoints" / "ckpt-00000004.pt") in proc.stderr
+    assert steps_in_metrics(out) == list(range(1, STEPS + 1))
+    assert_same_state(final_state(straight[0]), final_state(out))
+
+
+@pytest.mark.timeout(100)
+def test_user_search_space_through_the_api(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = ok(run(2, API, "custom", "--epochs", "1", "--out", str(out)))
+    res = result(out)
+    assert res["status"] == "completed" and res["sync_checks"] == STEPS // 2
+    assert len(res["val_archs"]) == 2 and all(a in (0, 1, 2) for a in res["val_archs"])
+    assert res["val_acc_best"] > 0.5, proc.stderr  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_default_run_reaches_stated_accuracy(tmp_path: Path) -> None:
+    """The README's command on 2 ranks: best validated sub-network >= 90% on digits."""
+    out = tmp_path / "run"
+    ok(run(2, "--no-progress", "--out", str(out), timeout=180))
+    res = result(out)
+    assert res["status"] == "completed"
+    assert res["val_acc_best"] >= 0.90, res
+    assert res["val_acc_mean"] >= 0.85, res
