@@ -16,7 +16,8 @@ variables, which describe what ``sbatch``/``salloc`` asked for.
                                 is its first host, expanded like ``scontrol show hostnames``
 ``SLURM_STEP_TASKS_PER_NODE``   e.g. ``2(x3),1`` (else ``SLURM_TASKS_PER_NODE``); gives
                                 the local world size
-``MASTER_ADDR``/``MASTER_PORT``  override the derived master
+``MASTER_ADDR``                 override the derived master address
+``MASTER_PORT``                 override the derived master port
 ==============================  ======================================================
 
 The derived master port is ``15000 + (job_id * 64 + step_id) % 17000``: every step of

@@ -2,19 +2,19 @@
 
 Variables read:
 
-=====================  ==========================================================
-``RANK``               global rank (required)
-``WORLD_SIZE``         number of processes (required)
-``LOCAL_RANK``         rank on this node (required; the legacy launch utility may
-                       pass ``--local_rank`` instead, see :func:`parse_local_rank`)
-``LOCAL_WORLD_SIZE``   processes on this node (torchrun); else ``WORLD_SIZE / NNODES``
-``GROUP_RANK``         node index (torchrun); ``NODE_RANK`` is accepted too
-``NNODES``             number of nodes (``hpc run`` and some wrappers)
-``MASTER_ADDR``        rendezvous host (required)
-``MASTER_PORT``        rendezvous port (required)
+=======================  ==========================================================
+``RANK``                 global rank (required)
+``WORLD_SIZE``           number of processes (required)
+``LOCAL_RANK``           rank on this node (required; the legacy launch utility may
+                         pass ``--local_rank`` instead, see :func:`parse_local_rank`)
+``LOCAL_WORLD_SIZE``     processes on this node (torchrun); else ``WORLD_SIZE / NNODES``
+``GROUP_RANK``           node index (torchrun); ``NODE_RANK`` is accepted too
+``NNODES``               number of nodes (``hpc run`` and some wrappers)
+``MASTER_ADDR``          rendezvous host (required)
+``MASTER_PORT``          rendezvous port (required)
 ``TORCHELASTIC_RUN_ID``  present under torchrun: marks the variables as torchrun's own
-``HPC_RUN_ID``         present under ``hpc run``: the launcher is reported as ``hpc-run``
-=====================  ==========================================================
+``HPC_RUN_ID``           present under ``hpc run``: the launcher is reported as ``hpc-run``
+=======================  ==========================================================
 """
 
 from __future__ import annotations
