@@ -1,0 +1,120 @@
+"""Checkpoint files: atomic save, keep-last-K, verified load, fallback, RNG round trip."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from hpc.errors import CheckpointError  # noqa: E402
+from hpc.pretrain.checkpoint import (capture_rng, checkpoint_path, list_checkpoints,  # noqa: E402
+                                     load_checkpoint, load_latest, prune, restore_rng,
+                                     save_atomic)
+from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
+
+
+def payload(step: int) -> dict:
+    return {"step": step, "model": {"w": torch.full((4,), float(step))}, "rng": [capture_rng()]}
+
+
+def write(directory: Path, *steps: int) -> list[Path]:
+    return [save_atomic(payload(s), checkpoint_path(directory, s)) for s in steps]
+
+
+def test_save_is_atomic_and_leaves_a_checksum(tmp_path: Path) -> None:
+    (path,) = write(tmp_path, 7)
+    assert path.name == "ckpt-00000007.pt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt",
+                                                          "ckpt-00000007.pt.sha256"]
+    assert (tmp_path / "ckpt-00000007.pt.sha256").read_text().endswith("  ckpt-00000007.pt\n")
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.full((4,), 7.0))
+
+
+def test_failed_save_keeps_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    (path,) = write(tmp_path, 3)
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        save_atomic({"step": 3, "bad": lambda: 0}, path)  # lambdas do not pickle
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000003.pt",
+                                                          "ckpt-00000003.pt.sha256"]
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    write(tmp_path, 1, 2, 10, 3)
+    removed = prune(tmp_path, 2)
+    assert [p.name for p in removed] == ["ckpt-00000001.pt", "ckpt-00000002.pt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000003.pt",
+                                                            "ckpt-00000010.pt"]
+    assert not list(tmp_path.glob("ckpt-00000001*"))
+
+
+@pytest.mark.parametrize("sidecar", [True, False], ids=["checksum", "no-checksum"])
+def test_truncated_newest_falls_back_with_a_warning(tmp_path: Path, sidecar: bool,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    _, newest = write(tmp_path, 1, 2)
+    newest.write_bytes(newest.read_bytes()[:100])
+    if not sidecar:  # then torch.load itself must notice
+        newest.with_name(newest.name + ".sha256").unlink()
+    with caplog.at_level(logging.WARNING):
+        path, data = load_latest(tmp_path)
+    assert path.name == "ckpt-00000001.pt" and data["step"] == 1
+    assert "skipping checkpoint ckpt-00000002.pt" in caplog.text
+
+
+def test_flipped_byte_fails_the_checksum(tmp_path: Path) -> None:
+    (path,) = write(tmp_path, 5)
+    raw = bytearray(path.read_bytes())
+    raw[-30] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        load_checkpoint(path)
+
+
+def test_no_loadable_checkpoint_is_an_error_with_a_hint(tmp_path: Path) -> None:
+    (path,) = write(tmp_path, 1)
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="HINT: start over"):
+        load_latest(tmp_path)
+    assert load_latest(tmp_path / "missing") is None
+
+
+def test_foreign_object_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt-00000001.pt"
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match="not a pretrain checkpoint"):
+        load_checkpoint(path)
+
+
+def test_rng_states_round_trip_through_weights_only(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gauss value in the python state
+    np.random.standard_normal()
+    path = save_atomic({"step": 0, "rng": capture_rng()}, tmp_path / "ckpt-00000000.pt")
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    restore_rng(load_checkpoint(path)["rng"])
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_metrics_resume_drops_rows_after_the_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    w = MetricsWriter(path)
+    w.add({"step": s, "split": "train", "loss": 1.0 / s} for s in range(1, 8))
+    w.flush()
+    w = MetricsWriter(path, resume_step=4)  # the run died after step 7, ckpt at 4
+    w.add({"step": s, "split": "train", "loss": 0.0} for s in range(5, 9))
+    w.flush()
+    assert [int(r["step"]) for r in read_metrics(path)] == list(range(1, 9))
+    MetricsWriter(tmp_path / "fresh.csv")
+    assert read_metrics(tmp_path / "fresh.csv") == []

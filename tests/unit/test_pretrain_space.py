@@ -1,0 +1,120 @@
+"""Search space, data and config: the pure parts of hpc.pretrain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from hpc.pretrain.config import PretrainConfig  # noqa: E402
+from hpc.pretrain.data import (epoch_batches, load_file, steps_per_epoch,  # noqa: E402
+                               val_shard)
+from hpc.pretrain.space import (CANDIDATES, SearchSpace, Supernet, arch_generator,  # noqa: E402
+                                derive_seed)
+
+
+def test_arch_draws_are_a_pure_function_of_seed_rank_step() -> None:
+    net = Supernet(width=8)
+    draws = {(r, s): net.sample(arch_generator(0, r, s)) for r in range(4) for s in range(50)}
+    again = {(r, s): Supernet(width=8).sample(arch_generator(0, r, s))
+             for r in range(4) for s in range(50)}
+    assert draws == again
+    assert len(set(draws.values())) > 100  # ranks and steps draw different sub-networks
+    assert net.sample(arch_generator(1, 0, 0)) != net.sample(arch_generator(0, 0, 0)) or \
+        net.sample(arch_generator(1, 0, 1)) != net.sample(arch_generator(0, 0, 1))
+    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(0, 2, 1)
+    assert 0 <= derive_seed(2**40, -1, 7) < 2**63
+
+
+def test_supernet_blocks_have_several_candidates_and_only_chosen_ones_learn() -> None:
+    net = Supernet(width=8)
+    assert isinstance(net, SearchSpace)
+    assert len(net.blocks) >= 4 and all(len(b) == len(CANDIDATES) >= 3 for b in net.blocks)
+    x = torch.randn(5, 1, 8, 8)
+    for choice in range(len(CANDIDATES)):
+        arch = (choice, 0, 1, 2)
+        net.zero_grad(set_to_none=True)
+        out = net(x, arch)
+        assert out.shape == (5, 10)
+        out.sum().backward()
+        for block, picked in zip(net.blocks, arch):
+            for i, op in enumerate(block):
+                grads = [p.grad is not None for p in op.parameters()]
+                assert all(grads) if i == picked else not any(grads)
+    with pytest.raises(ValueError, match="HINT"):
+        net(x, (0, 1))
+
+
+def test_epoch_batches_cover_every_sample_and_resume_mid_epoch() -> None:
+    n, world, bs = 103, 3, 8
+    spe = steps_per_epoch(n, world, bs)
+    assert spe == 35 // 8
+    per_rank = [epoch_batches(n, world, r, seed=0, epoch=1, batch_size=bs) for r in range(world)]
+    assert all(len(b) == spe and all(len(x) == bs for x in b) for b in per_rank)
+    seen = torch.cat([x for b in per_rank for x in b])
+    assert len(set(seen.tolist())) == len(seen)  # no sample twice in one epoch
+    tail = epoch_batches(n, world, 1, seed=0, epoch=1, batch_size=bs, start=2)
+    assert all(torch.equal(a, b) for a, b in zip(tail, per_rank[1][2:]))
+    other = epoch_batches(n, world, 1, seed=0, epoch=2, batch_size=bs)
+    assert not all(torch.equal(a, b) for a, b in zip(other, per_rank[1]))
+    shards = [val_shard(10, 3, r).tolist() for r in range(3)]
+    assert sorted(sum(shards, [])) == list(range(10))
+
+
+def test_digits_split_is_seeded_and_standardised() -> None:
+    pytest.importorskip("sklearn")
+    from hpc.pretrain.data import load_digits
+
+    a, b = load_digits(0), load_digits(0)
+    assert a.x_train.shape == (1437, 1, 8, 8) and a.x_val.shape == (360, 1, 8, 8)
+    assert torch.equal(a.x_val, b.x_val) and a.num_classes == 10
+    assert abs(float(a.x_train.mean())) < 1e-4 and abs(float(a.x_train.std()) - 1) < 1e-3
+    assert not torch.equal(load_digits(1).y_val, a.y_val)
+
+
+def test_user_data_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.normal(size=(20, 6, 6)).astype(np.float32),
+              "y_train": rng.integers(0, 3, 20), "x_val": rng.normal(size=(5, 6, 6)),
+              "y_val": np.array([0, 1, 2, 1, 0])}
+    np.savez(tmp_path / "d.npz", **arrays)
+    data = load_file(tmp_path / "d.npz")
+    assert data.x_train.shape == (20, 1, 6, 6) and data.x_val.dtype == torch.float32
+    assert data.num_classes == 3 and data.in_channels == 1
+    torch.save({k: torch.as_tensor(v) for k, v in arrays.items()}, tmp_path / "d.pt")
+    assert torch.equal(load_file(tmp_path / "d.pt").y_val, data.y_val)
+    np.savez(tmp_path / "bad.npz", x_train=arrays["x_train"])
+    with pytest.raises(ValueError, match=r"lacks \['y_train', 'x_val', 'y_val'\]"):
+        load_file(tmp_path / "bad.npz")
+    with pytest.raises(ValueError, match="valid: .npz, .pt"):
+        (tmp_path / "d.csv").write_text("x")
+        load_file(tmp_path / "d.csv")
+
+
+def test_config_validation_lists_every_problem() -> None:
+    PretrainConfig().validate()
+    with pytest.raises(ValueError) as e:
+        PretrainConfig(epochs=0, optimizer="lamb", val_fraction=1.5).validate()
+    msg = str(e.value)
+    assert "epochs=0" in msg and "'lamb' (valid: 'sgd', 'adamw')" in msg
+    assert "val_fraction=1.5" in msg and "HINT" in msg
+    cfg = PretrainConfig(lr=0.3)
+    assert PretrainConfig.from_dict({**cfg.to_dict(), "future_key": 1}) == cfg
+
+
+def test_cli_parser_matches_the_config() -> None:
+    import argparse
+
+    from hpc.pretrain.cli import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    cfg = config_from_args(parser.parse_args(["pretrain"]))
+    assert cfg == PretrainConfig()
+    cfg = config_from_args(parser.parse_args(
+        ["pretrain", "--epochs", "3", "--no-out", "--no-resume", "--max-steps", "9"]))
+    assert (cfg.epochs, cfg.out, cfg.resume, cfg.max_steps) == (3, None, "never", 9)
+    assert config_from_args(parser.parse_args(["pretrain", "--resume"])).resume == "auto"
