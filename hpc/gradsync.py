@@ -1,10 +1,29 @@
 """Gradient averaging for models whose ranks use different parameters (supernets).
 
 Call :func:`sync_gradients` (or a reusable :class:`GradSync`) after ``backward()`` on
-every rank. Afterwards every parameter's ``.grad`` is the mean over ranks, where a rank
-that did not use a parameter contributes zero; a parameter no rank used keeps
-``grad=None`` and is not sent. The values are bitwise equal on every rank and follow
-DDP's arithmetic (each gradient multiplied by ``1/world_size``, then summed).
+every rank, or let :meth:`GradSync.backward` run the backward pass and overlap the
+communication with it. Afterwards every parameter's ``.grad`` is the mean over ranks,
+where a rank that did not use a parameter contributes zero; a parameter no rank used
+keeps ``grad=None`` and is not sent. Results are bitwise equal on every rank.
+
+One step (see ``docs/sync.md``):
+
+1. *Agreement*: one ``all_gather`` of a uint8 vector (1 = this rank has a gradient),
+   so every rank knows who used what (``n_params * world_size`` bytes).
+2. A parameter used by exactly one rank is *broadcast by its owner* (half the bytes of
+   an all_reduce at world size 2); one used by two or more ranks goes into a bucketed
+   ``all_reduce``; one used by nobody is skipped. Collectives are issued
+   ``async_op=True`` as soon as their bucket is packed.
+3. The synced gradients are views into flat buffers (like DDP's
+   ``gradient_as_bucket_view``) that are reused once ``zero_grad()`` released them.
+4. The arithmetic is DDP's: each gradient is multiplied by ``1/world_size`` (the same
+   ``mul`` DDP's reducer runs), summed, and ``+0.0`` turns ``-0.0`` into ``+0.0`` as
+   DDP's zero-filled buckets do. A sum of at most two non-zero terms does not depend on
+   the summation order, so at world size 2 the result equals
+   ``DDP(find_unused_parameters=True)`` bit for bit. With three or more users of one
+   parameter the ring order of the collective depends on where the element sits in its
+   bucket; pass ``match_ddp=True`` to send such buckets in DDP's exact layout and get
+   DDP's bits at any world size (at the cost of DDP's bytes for those buckets).
 """
 
 from __future__ import annotations
@@ -12,23 +31,34 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from hpc._collective import active_world, check_same_tensors, comm_device
+from hpc._gradplan import Arena, Bucket, make_plan
+from hpc.errors import HPCError
 
-__all__ = ["sync_gradients", "GradSync", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["sync_gradients", "GradSync", "DEFAULT_BUCKET_BYTES",
+           "DEFAULT_OVERLAP_BUCKET_BYTES"]
 
 logger = logging.getLogger(__name__)
 
+#: Bucket size after backward, as DDP's default ``bucket_cap_mb=25``.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: Bucket size when overlapping with backward: smaller, so that sends start early.
+DEFAULT_OVERLAP_BUCKET_BYTES = 4 * 1024 * 1024
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 ModuleOrParams = Union[torch.nn.Module, Iterable[torch.Tensor]]
 
 
 def _named(module_or_params: ModuleOrParams) -> list[tuple[str, torch.Tensor]]:
+    """Trainable parameters in ``parameters()`` order, without duplicates (as DDP)."""
     if isinstance(module_or_params, torch.nn.Module):
         return [(n, p) for n, p in module_or_params.named_parameters() if p.requires_grad]
     seen: set[int] = set()
@@ -40,100 +70,298 @@ def _named(module_or_params: ModuleOrParams) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _reachable(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors ``loss.backward()`` will accumulate into."""
+    out: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad
+        if var is not None:
+            out.add(id(var))
+        else:
+            stack.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+@dataclass
+class _Step:
+    """One synchronisation in progress."""
+
+    mine: torch.Tensor                 # uint8 (n,): this rank has a gradient
+    users: torch.Tensor                # uint8 (ws * n,): everyone's, once gathered
+    work: Any                          # the all_gather of ``users`` (None: done)
+    overlap: bool = False              # started by backward(): plan in backward order
+    ready: list[int] = field(default_factory=list)   # grads accumulated, not packed
+    packed: set[int] = field(default_factory=set)
+    counts: list[int] = field(default_factory=list)  # users per parameter
+    plan: Optional[list[Bucket]] = None
+    where: dict[int, tuple[Bucket, int]] = field(default_factory=dict)
+    launched: int = 0
+
+
 class GradSync:
     """Averages ``.grad`` of a fixed parameter list across ranks; reuse it every step.
+
+    Either ``loss.backward(); gs.sync()`` or ``gs.backward(loss)``; the latter walks the
+    autograd graph to learn which parameters will get gradients, exchanges that before
+    backward runs, and sends each bucket from a post-accumulate-grad hook as soon as it
+    is complete, so communication overlaps the rest of backward.
 
     Args:
         module_or_params: A module (its trainable parameters, in ``parameters()``
             order) or an iterable of parameters. Every rank must pass the same list.
-        bucket_bytes: Target size of one all_reduce.
+        bucket_bytes: Bucket size for :meth:`sync` after backward.
+        overlap_bucket_bytes: Bucket size for :meth:`backward`.
+        match_ddp: Reproduce ``DDP(find_unused_parameters=True)`` bit for bit at any
+            world size (see the module docstring); at world size 2 the default already
+            does.
         group: Process group (default: the world).
+
+    Raises:
+        HPCError: A parameter has a sparse gradient (not supported).
+        ModelMismatchError: On the first sync, when ranks hold different parameter
+            lists (names, shapes, dtypes); raised on every rank.
     """
 
     def __init__(self, module_or_params: ModuleOrParams, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 group: Optional[Any] = None) -> None:
+                 overlap_bucket_bytes: int = DEFAULT_OVERLAP_BUCKET_BYTES,
+                 match_ddp: bool = False, group: Optional[Any] = None) -> None:
         self.named = _named(module_or_params)
         self.params = [p for _, p in self.named]
         self.bucket_bytes = bucket_bytes
+        self.overlap_bucket_bytes = overlap_bucket_bytes
+        self.match_ddp = match_ddp
         self.group = group
+        #: Figures of the last sync: parameters sent/skipped, bytes, collectives.
+        self.stats: dict[str, int] = {}
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._numels = [p.numel() for p in self.params]
+        self._keys = [(p.device, p.dtype) for p in self.params]
+        self._itemsizes = [p.element_size() for p in self.params]
+        self._capacity: dict[Any, int] = {}
+        for p in self.params:
+            self._capacity[(p.device, p.dtype)] = (
+                self._capacity.get((p.device, p.dtype), 0) + p.numel())
+        self._arena = Arena()
         self._checked = False
+        self._step: Optional[_Step] = None
+        self._hooks: list[Any] = []
+        self._ddp_buckets: Optional[list[list[int]]] = None
 
-    @torch.no_grad()
+    # ------------------------------------------------------------------ public
     def sync(self) -> None:
-        """Average the gradients now (collective: every rank calls it after backward).
-
-        Raises:
-            ModelMismatchError: On the first call, when ranks hold different parameter
-                lists.
-        """
+        """Average the gradients now (collective: every rank calls it after backward)."""
         ws = active_world(self.group)
+        st, self._step = self._step, None
         if not ws:
             return
-        if not self._checked:
-            check_same_tensors(self.named, "sync_gradients", self.group)
-            self._checked = True
-        dev = comm_device(self.group)
-        mask = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8,
-                            device=dev)
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
-        union = [p for p, m in zip(self.params, mask.tolist()) if m]
-        scale = 1.0 / ws
-        for bucket in self._buckets(union):
-            p0 = bucket[0]
-            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=p0.dtype,
-                               device=comm_device(self.group, p0.device))
-            off = 0
-            for p in bucket:
-                n = p.numel()
-                if p.grad is not None:
-                    torch.mul(p.grad.reshape(-1), scale, out=flat[off:off + n])
-                off += n
-            dist.all_reduce(flat, group=self.group)
-            off = 0
-            for p in bucket:
-                n = p.numel()
-                view = flat[off:off + n].view_as(p)
-                if p.grad is None:
-                    p.grad = view.to(p.device).clone()
-                else:
-                    p.grad.copy_(view)
-                off += n
+        with torch.no_grad():
+            if st is None:
+                st = self._begin(self._local_mask(None), asynchronous=False)
+            self._finish(st, ws)
 
     __call__ = sync
 
-    def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        open_: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        sizes: dict[tuple[Any, ...], int] = {}
-        out: list[list[torch.Tensor]] = []
-        for p in params:
-            key = (p.device, p.dtype)
-            nbytes = p.numel() * p.element_size()
-            if key in open_ and sizes[key] + nbytes > self.bucket_bytes:
-                out.append(open_.pop(key))
-            if key not in open_:
-                open_[key], sizes[key] = [], 0
-            open_[key].append(p)
-            sizes[key] += nbytes
-        out.extend(open_.values())
-        return out
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` with the sync overlapped, then :meth:`sync`."""
+        if not active_world(self.group):
+            loss.backward(**kwargs)
+            return
+        if not self._hooks:
+            ref = weakref.ref(self)
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, i=i: _on_grad(ref, i)))
+        self._step = self._begin(self._local_mask(loss), asynchronous=True)
+        self._step.overlap = True
+        try:
+            loss.backward(**kwargs)
+        except BaseException:
+            self._step = None
+            raise
+        self.sync()
+
+    def close(self) -> None:
+        """Remove the hooks :meth:`backward` installed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ steps
+    def _local_mask(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        reach = _reachable(loss) if loss is not None else set()
+        mine = torch.zeros(len(self.params), dtype=torch.uint8)
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise HPCError(
+                        f"sync_gradients: parameter {self.named[i][0]!r} has a sparse "
+                        "gradient.\nSparse gradients (nn.Embedding(sparse=True)) are not "
+                        "supported by the bucketed sync.\nHINT: use sparse=False.")
+                mine[i] = 1
+            elif id(p) in reach:
+                mine[i] = 1
+        return mine
+
+    def _begin(self, mine: torch.Tensor, asynchronous: bool) -> _Step:
+        if not self._checked:
+            check_same_tensors(self.named, "sync_gradients", self.group)
+            self._checked = True
+        ws = dist.get_world_size(self.group)
+        dev = comm_device(self.group)
+        mine_d = mine.to(dev)
+        users = torch.empty(ws * len(self.params), dtype=torch.uint8, device=dev)
+        work = _all_gather_single(users, mine_d, group=self.group, async_op=asynchronous)
+        return _Step(mine, users, work)
+
+    def _build(self, st: _Step) -> None:
+        """Plan the buckets from the gathered usage; allocate and zero-fill buffers."""
+        ws = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        users = st.users.view(ws, -1).cpu().to(torch.int32)
+        n = len(self.params)
+        order = range(n - 1, -1, -1) if st.overlap else range(n)
+        st.counts = users.sum(0).tolist()
+        layout = self._ddp_layout() if self.match_ddp and ws > 2 else None
+        st.plan = make_plan(users, self._numels, self._keys, self._itemsizes, order,
+                            self.overlap_bucket_bytes if st.overlap else self.bucket_bytes,
+                            rank, layout)
+        mine = st.mine.tolist()
+        for b in st.plan:
+            device, dtype = b.key
+            cap = min(self._capacity[b.key], self.bucket_bytes // self._itemsizes[b.idx[0]])
+            b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel, cap)
+            for i, off in zip(b.idx, b.offsets):
+                st.where[i] = (b, off)
+                if b.kind == "sum" and not mine[i]:
+                    b.flat[off:off + self._numels[i]].zero_()
+        scale = 1.0 / ws
+        for i in st.ready:
+            self._pack(st, i, scale)
+        st.ready = []
+
+    def _pack(self, st: _Step, i: int, scale: float) -> None:
+        b, off = st.where[i]
+        dst = b.flat[off:off + self._numels[i]]
+        g = self.params[i].grad
+        if g is None:  # reachable, yet autograd produced nothing: contributes zero
+            dst.zero_()
+        else:
+            torch.mul(g.reshape(-1), scale, out=dst)  # DDP's reducer: mul_out(1/ws)
+        b.pending -= 1
+        st.packed.add(i)
+
+    def _launch_ready(self, st: _Step) -> None:
+        assert st.plan is not None
+        rank = dist.get_rank(self.group)
+        while st.launched < len(st.plan) and st.plan[st.launched].pending == 0:
+            b = st.plan[st.launched]
+            if b.kind == "sum":
+                b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+            else:
+                if b.owner == rank:
+                    b.flat.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it
+                src = b.owner if self.group is None else dist.get_global_rank(
+                    self.group, b.owner)
+                b.work = dist.broadcast(b.flat, src, group=self.group, async_op=True)
+            st.launched += 1
+
+    def _on_grad(self, i: int) -> None:
+        """Post-accumulate-grad hook of parameter ``i`` (during :meth:`backward`)."""
+        st = self._step
+        if st is None:
+            return
+        with torch.no_grad():
+            if st.plan is None:
+                st.ready.append(i)
+                if not st.work.is_completed():
+                    return
+                st.work.wait()
+                st.work = None
+                self._build(st)
+            elif st.mine[i]:
+                self._pack(st, i, 1.0 / dist.get_world_size(self.group))
+            else:
+                logger.warning("sync_gradients: %s got a gradient the autograd graph did "
+                               "not predict; it is left out of this step's mean",
+                               self.named[i][0])
+            self._launch_ready(st)
+
+    def _finish(self, st: _Step, ws: int) -> None:
+        if st.plan is None:
+            if st.work is not None:
+                st.work.wait()
+            self._build(st)
+        assert st.plan is not None
+        rank = dist.get_rank(self.group)
+        mine = st.mine.tolist()
+        scale = 1.0 / ws
+        try:
+            for b in st.plan[st.launched:]:  # pack and send what backward did not
+                if b.kind == "sum" or b.owner == rank:
+                    for i in b.idx:
+                        if mine[i] and i not in st.packed:
+                            self._pack(st, i, scale)
+                self._launch_ready(st)
+            sent = skipped = 0
+            for b in st.plan:
+                b.work.wait()
+                for i, off in zip(b.idx, b.offsets):
+                    if b.exact and not st.counts[i]:
+                        continue  # zeros of a DDP-layout bucket: nobody used it
+                    p = self.params[i]
+                    p.grad = b.flat[off:off + self._numels[i]].view(p.shape).to(p.device)
+                    sent += 1
+            skipped = len(self.params) - sent
+            self.stats = {
+                "params_synced": sent, "params_skipped": skipped,
+                "collectives": len(st.plan),
+                "bcast_bytes": sum(b.numel * b.flat.element_size() for b in st.plan
+                                   if b.kind == "bcast"),
+                "sum_bytes": sum(b.numel * b.flat.element_size() for b in st.plan
+                                 if b.kind == "sum"),
+            }
+        finally:
+            self._arena.end_step()
+
+    def _ddp_layout(self) -> list[list[int]]:
+        """DDP's bucket assignment for these parameters (find_unused_parameters=True)."""
+        if self._ddp_buckets is None:
+            limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes]
+            indices, _ = dist._compute_bucket_assignment_by_size(
+                self.params, limits, [False] * len(self.params))
+            self._ddp_buckets = [list(b) for b in reversed(indices)]
+        return self._ddp_buckets
+
+
+def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
+    gs = ref()
+    if gs is not None:
+        gs._on_grad(i)
 
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
 
 
-def sync_gradients(module_or_params: ModuleOrParams, *,
+def sync_gradients(module_or_params: ModuleOrParams, *, match_ddp: bool = False,
                    group: Optional[Any] = None) -> None:
-    """Average ``.grad`` across ranks after ``backward()`` (see :class:`GradSync`).
+    """Average ``.grad`` across ranks after ``backward()``; see :class:`GradSync`.
 
-    For a module the :class:`GradSync` (and its buffers) is cached and reused.
+    For a module (with the default group) one :class:`GradSync` is cached per module and
+    reused, buffers included; for a list of parameters a new one is built per call.
     """
     if not active_world(group):
         return
     if isinstance(module_or_params, torch.nn.Module) and group is None:
         gs = _CACHE.get(module_or_params)
-        if gs is None:
-            gs = _CACHE[module_or_params] = GradSync(module_or_params)
+        if gs is None or gs.match_ddp != match_ddp:
+            gs = _CACHE[module_or_params] = GradSync(module_or_params, match_ddp=match_ddp)
         gs.sync()
         return
-    GradSync(module_or_params, group=group).sync()
+    GradSync(module_or_params, match_ddp=match_ddp, group=group).sync()

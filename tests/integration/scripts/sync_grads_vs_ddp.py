@@ -1,0 +1,137 @@
+"""sync_gradients vs DDP(find_unused_parameters=True) on a small supernet, same seeds.
+
+Every rank takes a different random path each step (so each rank leaves different
+parameters unused) and one module is never used by anyone. Two copies of the model
+train side by side: one with ``hpc.sync_gradients``, one wrapped in DDP. After every
+step the gradients are compared (values and ``None``-ness), at the end the weights, and
+across ranks everything must be bitwise equal. Prints one ``RESULT`` line per rank.
+
+Usage: sync_grads_vs_ddp.py [--match-ddp] [--expect bitwise|close] [--steps N]
+                            [--api sync_gradients|backward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hpc
+
+
+class Gate(nn.Module):
+    """relu(x) * table: an elementwise parameter gradient, full of -0.0 (no reduction)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * self.table
+
+
+class Supernet(nn.Module):
+    """Stem, 4 searchable blocks of 4 candidate ops, head, and one never-used module."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.stem = nn.Linear(10, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleList([
+                nn.Sequential(nn.Linear(dim, dim), nn.ReLU()),
+                nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)),
+                nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim, bias=False), nn.Tanh()),
+                Gate(dim),
+            ]) for _ in range(4))
+        self.orphan = nn.Linear(dim, dim)  # used by no rank: grad must stay None
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor, path: list[int]) -> torch.Tensor:
+        x = self.stem(x)
+        for block, choice in zip(self.blocks, path):
+            x = x + block[choice](x)
+        return self.head(x)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: unlike torch.equal, -0.0 and +0.0 differ."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--match-ddp", action="store_true")
+    ap.add_argument("--expect", choices=("bitwise", "close"), default="bitwise")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--api", choices=("sync_gradients", "backward"), default="sync_gradients",
+                    help="backward: GradSync.backward(loss), overlapped with backward")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    info = hpc.init_torch(backend="gloo", seed=0)
+    ws, rank = info.world_size, info.rank
+    ours = Supernet()
+    theirs = copy.deepcopy(ours)
+    ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    names = [n for n, _ in ours.named_parameters()]
+    gs = hpc.GradSync(ours, match_ddp=args.match_ddp, overlap_bucket_bytes=2048)
+    worst = 0.0
+    differing = 0
+    for step in range(args.steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(16, 10, generator=gen)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        # each rank draws its own path: ops used by 0, 1, 2 or 3 ranks all occur
+        path = [int(torch.randint(0, 4, (1,), generator=gen)) for _ in range(4)]
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ours(x, path), y)
+        if args.api == "backward":
+            gs.backward(loss)
+        else:
+            loss.backward()
+            hpc.sync_gradients(ours, match_ddp=args.match_ddp)
+        nn.functional.cross_entropy(ddp(x, path), y).backward()
+        for name, a, b in zip(names, ours.parameters(), theirs.parameters()):
+            if (a.grad is None) != (b.grad is None):
+                print(f"RESULT FAIL step {step} {name}: grad None-ness differs "
+                      f"(ours {a.grad is None}, ddp {b.grad is None})", flush=True)
+                return 1
+            if a.grad is None:
+                continue
+            if not same_bits(a.grad, b.grad):
+                differing += int((a.grad != b.grad).sum())
+                worst = max(worst, float((a.grad - b.grad).abs().max()))
+                if args.expect == "bitwise" or not torch.allclose(a.grad, b.grad,
+                                                                  rtol=1e-5, atol=1e-7):
+                    print(f"RESULT FAIL step {step} {name}: grads differ, max abs "
+                          f"{worst:.3g}", flush=True)
+                    return 1
+        opt_a.step()
+        opt_b.step()
+    if ours.orphan.weight.grad is not None:
+        print("RESULT FAIL orphan has a gradient", flush=True)
+        return 1
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(ws)]
+    dist.all_gather(gathered, flat)
+    if not all(same_bits(g, gathered[0]) for g in gathered):
+        print("RESULT FAIL weights differ across ranks", flush=True)
+        return 1
+    same = all(same_bits(a.detach(), b.detach())
+               for a, b in zip(ours.parameters(), theirs.parameters()))
+    if args.expect == "bitwise" and not same:
+        print("RESULT FAIL final weights differ from DDP", flush=True)
+        return 1
+    print(f"RESULT ok rank={rank} ws={ws} steps={args.steps} bitwise_vs_ddp={same} "
+          f"differing_grad_elements={differing} max_abs={worst:.3g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

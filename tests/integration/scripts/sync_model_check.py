@@ -1,0 +1,100 @@
+"""sync_model on every rank-different model: broadcast and the reduce flags.
+
+Each rank seeds differently, so parameters and buffers (BatchNorm running stats and its
+int64 ``num_batches_tracked``, a float64 and a bool buffer, a float16 layer) differ.
+For every flag combination and two bucket sizes (one bucket; many tiny buckets with
+several in flight) the originals are all_gathered first and the result is checked:
+broadcast -> rank 0's tensors exactly; reduce -> the mean of the originals (floor mean
+for integers, rank 0's value for bools); and every rank bitwise equal. Prints ``RESULT``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hpc
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+        self.half = nn.Linear(4, 4).half()
+        self.register_buffer("scale64", torch.randn(5, dtype=torch.float64))
+        self.register_buffer("flags", torch.rand(6) > 0.5)
+
+
+def build(rank: int) -> Net:
+    torch.manual_seed(100 + rank)
+    net = Net()
+    with torch.no_grad():
+        net.bn.num_batches_tracked.fill_(3 + 5 * rank)  # floor mean is not trivial
+    net.bn(net.conv(torch.randn(4, 3, 6, 6)))  # running stats differ per rank
+    return net
+
+
+def gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
+    src = t.detach()
+    wire = src.to(torch.uint8) if src.dtype == torch.bool else src
+    out = [torch.empty_like(wire) for _ in range(ws)]
+    dist.all_gather(out, wire.contiguous())
+    return [o.to(torch.bool) if src.dtype == torch.bool else o for o in out]
+
+
+def expected(origs: list[torch.Tensor], mean: bool) -> torch.Tensor:
+    if not mean or origs[0].dtype == torch.bool:
+        return origs[0]
+    if origs[0].is_floating_point():
+        acc = torch.stack([o.double() for o in origs]).mean(0)
+        return acc.to(origs[0].dtype)
+    return torch.div(torch.stack(origs).sum(0), len(origs), rounding_mode="floor")
+
+
+def check(rank: int, ws: int, reduce_p: bool, reduce_b: bool, bucket: int) -> str:
+    net = build(rank)
+    named = [(n, t, reduce_p) for n, t in net.named_parameters()]
+    named += [(n, t, reduce_b) for n, t in net.named_buffers()]
+    origs = {n: gather(t, ws) for n, t, _ in named}
+    if torch.equal(origs["fc.weight"][0], origs["fc.weight"][1]):
+        return "setup: ranks started equal, the test would prove nothing"
+    hpc.sync_model(net, reduce_parameters=reduce_p, reduce_buffers=reduce_b,
+                   bucket_bytes=bucket)
+    for n, t, mean in named:
+        now = gather(t, ws)
+        if not all(torch.equal(x, now[0]) for x in now):
+            return f"{n} differs across ranks"
+        want = expected(origs[n], mean)
+        got = t.detach()
+        if got.is_floating_point() and mean:
+            tol = 1e-3 if got.dtype == torch.float16 else 1e-6
+            ok = torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+        else:
+            ok = torch.equal(got, want)
+        if not ok:
+            return f"{n} ({got.dtype}) is not the expected {'mean' if mean else 'copy'}"
+    return ""
+
+
+def main() -> int:
+    info = hpc.init_torch(backend="gloo")
+    for reduce_p in (False, True):
+        for reduce_b in (False, True):
+            for bucket in (25 << 20, 96):
+                err = check(info.rank, info.world_size, reduce_p, reduce_b, bucket)
+                if err:
+                    print(f"RESULT FAIL reduce_parameters={reduce_p} "
+                          f"reduce_buffers={reduce_b} bucket_bytes={bucket}: {err}",
+                          flush=True)
+                    return 1
+    print(f"RESULT ok rank={info.rank} ws={info.world_size}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""sync_model and sync_gradients with real ranks (gloo over loopback, via ``hpc run``).
+
+Each test starts a script from ``tests/integration/scripts/sync_*.py`` under
+``hpc run --nproc N``; the scripts check themselves on every rank and print one
+``RESULT`` line per rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import hpc_run, script
+
+
+def _results(out: str, nproc: int) -> list[str]:
+    lines = [line for line in out.splitlines() if "RESULT" in line]
+    assert len(lines) == nproc, f"expected {nproc} RESULT lines:\n{out}"
+    return lines
+
+
+def _run_ok(nproc: int, name: str, *args: str, timeout: float = 100) -> list[str]:
+    proc = hpc_run(nproc, [script(name), *args], timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = _results(out, nproc)
+    assert all("RESULT ok" in line for line in lines), out
+    return lines
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_sync_model_equal_tensors_and_means(nproc: int) -> None:
+    """Broadcast gives rank 0's tensors, the flags give means; int/bool/half included."""
+    _run_ok(nproc, "sync_model_check.py")
+
+
+@pytest.mark.timeout(60)
+def test_noop_when_not_distributed() -> None:
+    _run_ok(1, "sync_single.py")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc,args", [
+    (2, []),                                  # sync_gradients after backward
+    (2, ["--api", "backward"]),               # GradSync.backward, overlapped
+    (3, ["--match-ddp"]),
+    (3, ["--match-ddp", "--api", "backward"]),
+], ids=["ws2", "ws2-backward", "ws3-match_ddp", "ws3-match_ddp-backward"])
+def test_sync_gradients_bitwise_equal_to_ddp(nproc: int, args: list[str]) -> None:
+    """Several steps, different unused params per rank, one param unused everywhere."""
+    lines = _run_ok(nproc, "sync_grads_vs_ddp.py", "--expect", "bitwise", *args)
+    assert all("bitwise_vs_ddp=True" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_sync_gradients_ws3_equal_across_ranks() -> None:
+    """Default mode at ws 3: bitwise equal across ranks, DDP's values up to rounding."""
+    lines = _run_ok(3, "sync_grads_vs_ddp.py", "--expect", "close")
+    assert len({line.split("bitwise_vs_ddp=")[1] for line in lines}) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("what,nproc", [("model", 3), ("grads", 2), ("backward", 2)])
+def test_unequal_models_fail_fast_with_clear_error(what: str, nproc: int) -> None:
+    t0 = time.monotonic()
+    proc = hpc_run(nproc, [script("sync_mismatch.py"), "--what", what], timeout=60)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "UNREACHABLE" not in out
+    assert "ModelMismatchError" in out, out
+    odd = nproc - 1
+    assert "first difference at tensor #2" in out, out
+    assert "rank 0: '2.weight' shape (16, 16) float32" in out, out
+    assert f"rank {odd}: '2.weight' shape (17, 16) float32" in out, out
+    assert "HINT:" in out, out
+    assert elapsed < 45, f"took {elapsed:.0f}s: the error should come before any hang"

@@ -1,0 +1,88 @@
+"""Pure parts of the sync: bucket planning, the arena, the mismatch message."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc._collective import mismatch_message, signature
+from hpc._gradplan import Arena, make_plan
+
+F32 = (torch.device("cpu"), torch.float32)
+F64 = (torch.device("cpu"), torch.float64)
+
+
+def _plan(users: list[list[int]], numels: list[int], rank: int = 0, bucket: int = 1 << 20,
+          keys: list = None, layout=None):
+    n = len(numels)
+    keys = keys or [F32] * n
+    sizes = [8 if k == F64 else 4 for k in keys]
+    return make_plan(torch.tensor(users), numels, keys, sizes, range(n), bucket, rank,
+                     layout)
+
+
+def test_plan_classifies_by_number_of_users() -> None:
+    users = [[1, 1, 0, 0, 1],
+             [0, 1, 1, 0, 0]]
+    plan = _plan(users, [10, 20, 30, 40, 50])
+    kinds = sorted((b.kind, b.owner, tuple(b.idx)) for b in plan)
+    assert kinds == [("bcast", 0, (0, 4)), ("bcast", 1, (2,)), ("sum", -1, (1,))]
+    assert 3 not in {i for b in plan for i in b.idx}  # nobody used it: not sent
+
+
+def test_plan_pending_counts_only_local_work() -> None:
+    users = [[1, 1, 0], [0, 1, 1]]
+    by_idx = {tuple(b.idx): b for b in _plan(users, [4, 4, 4], rank=0)}
+    assert by_idx[(0,)].pending == 1       # rank 0 owns it
+    assert by_idx[(1,)].pending == 1       # shared: rank 0 packs its part
+    assert by_idx[(2,)].pending == 0       # rank 1's broadcast: rank 0 only receives
+
+
+def test_plan_splits_buckets_and_dtypes() -> None:
+    users = [[1] * 4, [1] * 4]
+    plan = _plan(users, [100, 100, 100, 100], bucket=800, keys=[F32, F32, F64, F32])
+    assert sorted(tuple(b.idx) for b in plan) == [(0, 1), (2,), (3,)]
+    for b in plan:
+        assert b.offsets == [sum([100] * k) for k in range(len(b.idx))]
+
+
+def test_plan_is_identical_on_every_rank_except_pending() -> None:
+    users = [[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 1]]
+    plans = [_plan(users, [3, 5, 7, 9], rank=r) for r in range(3)]
+    shapes = [[(b.kind, b.owner, b.idx, b.numel) for b in p] for p in plans]
+    assert shapes[0] == shapes[1] == shapes[2]
+
+
+def test_plan_match_ddp_sends_whole_layout_buckets_with_three_users() -> None:
+    users = [[1, 1, 0, 1], [1, 0, 0, 1], [1, 0, 0, 0]]
+    plan = _plan(users, [2, 2, 2, 2], layout=[[2, 3], [0, 1]])
+    exact = [b for b in plan if b.exact]
+    assert [b.idx for b in exact] == [[0, 1]]  # param 0 has 3 users
+    rest = sorted(tuple(b.idx) for b in plan if not b.exact)
+    assert rest == [(3,)]                     # two users: any layout is exact
+
+
+def test_arena_reuses_a_buffer_only_when_its_views_are_gone() -> None:
+    arena = Arena()
+    a = arena.take(torch.device("cpu"), torch.float32, 10, 16)
+    grad = a[2:4]
+    arena.end_step()
+    b = arena.take(torch.device("cpu"), torch.float32, 10, 16)
+    assert b.data_ptr() != a.data_ptr()       # a still referenced through `grad`
+    del a, grad, b
+    arena.end_step()
+    c = arena.take(torch.device("cpu"), torch.float32, 12, 16)
+    d = arena.take(torch.device("cpu"), torch.float32, 12, 16)
+    assert c.data_ptr() != d.data_ptr()       # never the same buffer twice in a step
+
+
+def test_mismatch_message_names_first_difference_and_ranks() -> None:
+    a = signature([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
+    b = signature([("w", torch.zeros(2, 3)), ("b", torch.zeros(4))])
+    c = signature([("w", torch.zeros(2, 3))])
+    msg = mismatch_message([a, a, b, c], "sync_model")
+    assert "first difference at tensor #1" in msg
+    assert "rank 0: 'b' shape (3,) float32 (2 tensors in all)" in msg
+    assert "rank 2: 'b' shape (4,) float32" in msg
+    assert "rank 3: nothing (1 tensors in all)" in msg
+    assert "ranks [1] agree with rank 0" in msg
+    assert "HINT:" in msg
