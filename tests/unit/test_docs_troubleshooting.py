@@ -1,0 +1,77 @@
+"""Every error the bootstrap raises is on the troubleshooting page.
+
+For each ``raise SomeHPCError(<message>)`` in ``hpc/environments/``, ``hpc/distributed.py``
+and ``hpc/rendezvous.py``, the longest literal piece of the message's first line (the
+text between ``{placeholders}``) must appear in ``docs/troubleshooting.md``. Rewording an
+error, or adding one, therefore means updating that page.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hpc.errors
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "troubleshooting.md"
+BOOTSTRAP = [*sorted((ROOT / "hpc" / "environments").glob("*.py")),
+             ROOT / "hpc" / "distributed.py", ROOT / "hpc" / "rendezvous.py"]
+ERRORS = set(hpc.errors.__all__)
+
+
+def _pieces(node: ast.AST) -> list[str | None]:
+    """The message as literal text pieces, None for each placeholder."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        out: list[str | None] = []
+        for value in node.values:
+            out += _pieces(value) if isinstance(value, ast.Constant) else [None]
+        return out
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _pieces(node.left) + _pieces(node.right)
+    return [None]
+
+
+def key_fragment(message: ast.AST) -> str | None:
+    """Longest literal piece of the first line, or None for a non-literal message."""
+    first_line: list[str | None] = []
+    for piece in _pieces(message):
+        if piece is not None and "\n" in piece:
+            first_line.append(piece.split("\n", 1)[0])
+            break
+        first_line.append(piece)
+    literal = [p.strip() for p in first_line if p and p.strip()]
+    return max(literal, key=len) if literal else None
+
+
+def raised_messages() -> list[tuple[str, int, str]]:
+    """(file, line, fragment) for each typed error raised with a literal message."""
+    out = []
+    for path in BOOTSTRAP:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", ""))
+            if name in ERRORS and node.exc.args:
+                fragment = key_fragment(node.exc.args[0])
+                if fragment:
+                    out.append((str(path.relative_to(ROOT)), node.lineno, fragment))
+    return out
+
+
+def test_bootstrap_errors_are_documented() -> None:
+    found = raised_messages()
+    assert len(found) >= 15, "the scanner found too few raise sites; is it still working?"
+    page = PAGE.read_text(encoding="utf-8")
+    missing = [f"{f}:{line}: {frag!r}" for f, line, frag in found if frag not in page]
+    assert not missing, (
+        "errors raised by the bootstrap but not shown in docs/troubleshooting.md "
+        "(add the real message with its cause and fix):\n" + "\n".join(missing))
+
+
+def test_fragment_of_fstring() -> None:
+    msg = ast.parse('f"rank {r}: master {a}:{p} is unreachable ({e}) after ...\\nHINT"',
+                    mode="eval").body
+    assert key_fragment(msg) == "is unreachable ("
