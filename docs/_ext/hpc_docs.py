@@ -78,7 +78,7 @@ def _parse_rst(directive: SphinxDirective, text: str, source: str) -> list[nodes
     """Parse generated reStructuredText in place (section titles allowed)."""
     container = nodes.section()  # nested_parse_with_titles needs a section-like parent
     lines = StringList(text.splitlines(), source=source)
-    nested_parse_with_titles(directive.state, lines, container, directive.content_offset)
+    nested_parse_with_titles(directive.state, lines, container)
     return list(container.children)
 
 
