@@ -94,7 +94,7 @@ def resolve_master(info: DistInfo, environ: Mapping[str, str]) -> DistInfo:
         return info
     if info.world_size == 1:
         return info.replace(master_addr=info.master_addr or "127.0.0.1")
-    comm = _mpi_comm() if info.launcher in _MPI_LAUNCHERS else None
+    comm = _mpi_comm(info.launcher) if info.launcher in _MPI_LAUNCHERS else None
     if comm is not None and (comm.Get_size(), comm.Get_rank()) != (info.world_size, info.rank):
         logger.warning(
             "mpi4py sees rank %d of %d but %s says rank %d of %d: mpi4py is linked to "
@@ -141,7 +141,39 @@ def _mpi() -> Any:
     return MPI
 
 
-def _mpi_comm() -> Any:
+#: MPI launcher -> ABI family of the libmpi its ranks must load.
+_ABI = {"openmpi": "openmpi", "mpich": "mpich", "mvapich2": "mpich"}
+
+
+def _mpi4py_abi() -> Optional[str]:
+    """ABI the mpi4py wheel would load ("openmpi"/"mpich"); None when not knowable.
+
+    The multi-ABI wheel (mpi4py >= 4) picks its library at import of ``mpi4py.MPI``;
+    asking first only dlopens the library and does not initialise MPI. Loading the
+    wrong one is not recoverable: Open MPI's MPI_Init aborts a process started by
+    MPICH's mpiexec inside an allocation.
+    """
+    try:
+        from mpi4py import _mpiabi  # type: ignore[attr-defined]
+
+        return str(_mpiabi._get_mpiabi())
+    except Exception:  # a source build, an old mpi4py, or no libmpi at all
+        return None
+
+
+def _mpi_comm(launcher: str = "") -> Any:
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    want, have = _ABI.get(launcher), _mpi4py_abi()
+    if want and have and want != have:
+        logger.warning(
+            "mpi4py would load the %s library but %s started this process; not using it "
+            "to find the master.\nHINT: for MPICH make a link <dir>/libmpi.so.12 -> "
+            "libmpich.so.12 and export MPI4PY_LIBMPI=<dir>/libmpi.so.12 "
+            "LD_LIBRARY_PATH=<dir>.", have, launcher)
+        return None
     try:
         return _mpi().COMM_WORLD
     except Exception as e:  # ImportError, or RuntimeError when libmpi cannot load
