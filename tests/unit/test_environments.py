@@ -37,6 +37,25 @@ EXPECTED: dict[str, dict[str, Any]] = {
                                     port=None, job_id=None),
     "sbatch_batchstep_env.txt": dict(launcher="slurm", world=1, nodes=1, master="127.0.0.1",
                                      port=15000 + (30 * 64 + 4094) % 17000, job_id="30.batch"),
+    # Issue 3's captures on the local test cluster (README: how each was launched).
+    # MPI inside an allocation: the MPI variables win over the launcher step's SLURM_*.
+    "mpirun_openmpi_salloc_env.txt": dict(launcher="openmpi", world=4, nodes=2, master=None,
+                                          port=None, job_id="2055929857"),
+    "mpiexec_mpich_salloc_env.txt": dict(launcher="mpich", world=4, nodes=2, master=None,
+                                         port=None, job_id=None),
+    # srun direct launch of MPI programs is read as Slurm tasks.
+    "srun_pmix_env.txt": dict(launcher="slurm", world=4, nodes=2, master="node1",
+                              port=15000 + (57 * 64 + 0) % 17000, job_id="57.0"),
+    "srun_pmi2_env.txt": dict(launcher="slurm", world=4, nodes=2, master="node1",
+                              port=15000 + (58 * 64 + 0) % 17000, job_id="58.0"),
+    "srun_gpus_per_task_env.txt": dict(launcher="slurm", world=4, nodes=2, master="node1",
+                                       port=15000 + (59 * 64 + 0) % 17000, job_id="59.0"),
+    # torchrun inside srun: the workers' variables win; the master is the agents' store.
+    "srun_torchrun_env.txt": dict(launcher="torchrun", world=4, nodes=2, master="node1",
+                                  port=38097, job_id="envdump"),
+    # salloc's own shell on the login host: like the batch script, one process.
+    "salloc_shell_env.txt": dict(launcher="slurm", world=1, nodes=1, master="127.0.0.1",
+                                 port=15000 + (61 * 64 + 4094) % 17000, job_id="61.batch"),
 }
 MULTI_RANK = sorted(n for n, e in EXPECTED.items() if e["world"] > 1)
 
@@ -140,6 +159,17 @@ def test_batch_step_port_differs_from_step_zero() -> None:
     (_, batch), = load("sbatch_batchstep_env.txt")
     step0 = srun_task(0, "sbatch_srun_tasks_env.txt")
     assert slurm_port(batch) != slurm_port(step0)
+
+
+def test_salloc_shell_is_one_process_with_hint() -> None:
+    """``salloc -N2 -n4 python train.py``: the command runs once, on the login host."""
+    (label, env), = load("salloc_shell_env.txt")
+    assert parse_header(label).host == "vm" and "SLURMD_NODENAME" not in env
+    info = detect(env)
+    assert (info.launcher, info.world_size, info.job_id) == ("slurm", 1, "61.batch")
+    assert len(info.warnings) == 1
+    assert "SLURM_NTASKS=4" in info.warnings[0] and "HINT" in info.warnings[0]
+    assert "srun" in info.warnings[0]
 
 
 def test_batch_step_with_one_task_has_no_warning() -> None:
@@ -273,6 +303,50 @@ def test_mpich_inside_allocation_wins(rank: int) -> None:
     env = dict(allocation_vars(), **load("mpich_mpiexec_local.txt")[rank][1])
     info = detect(env)
     assert (info.launcher, info.rank, info.world_size) == ("mpich", rank, 4)
+
+
+@pytest.mark.parametrize("name,kind", [("mpirun_openmpi_salloc_env.txt", "openmpi"),
+                                       ("mpiexec_mpich_salloc_env.txt", "mpich")])
+def test_real_mpi_inside_allocation_wins_over_launcher_step(name: str, kind: str) -> None:
+    """The ranks inherit the SLURM_* of the step that started the MPI daemons (one per
+    node): that step's view is wrong for half the ranks, the MPI view is right."""
+    for label, env in load(name):
+        header = parse_header(label)
+        step = SlurmEnvironment.read(env)
+        assert (step.world_size, step.rank) == (2, header.rank // 2)  # the daemons' step
+        assert env["SLURM_LOCALID"] == "0"
+        info = detect(env)
+        assert (info.launcher, info.rank, info.local_rank) == (kind, header.rank, header.rank % 2)
+
+
+@pytest.mark.parametrize("name,key,absent", [
+    ("srun_pmix_env.txt", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"),
+    ("srun_pmi2_env.txt", "PMI_RANK", "MPI_LOCALRANKID"),
+])
+def test_real_srun_direct_mpi_launch(name: str, key: str, absent: str) -> None:
+    """srun --mpi=pmix/pmi2: no MPI launcher variables beyond the PMI rank; Slurm reads."""
+    for label, env in load(name):
+        assert absent not in env and env[key] == env["SLURM_PROCID"], label
+        assert not any(k.startswith("OMPI_COMM_WORLD") for k in env)
+        assert detect(env).rank == int(env[key])
+
+
+def test_real_gpus_per_task() -> None:
+    """--gpus-per-task=1: each task sees one device (no cgroups here: not renumbered)."""
+    blocks = load("srun_gpus_per_task_env.txt")
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in blocks] == ["0", "1", "0", "1"]
+    assert [env["SLURM_STEP_GPUS"] for _, env in blocks] == ["0", "1", "0", "1"]
+    assert [detect(env).local_rank for _, env in blocks] == [0, 1, 0, 1]
+
+
+def test_real_torchrun_inside_srun() -> None:
+    """The agents' step says 2 tasks (one per node); the workers are 4 torchrun ranks."""
+    for label, env in load("srun_torchrun_env.txt"):
+        header = parse_header(label)
+        assert env["SLURM_STEP_NUM_TASKS"] == "2" and env["SLURM_PROCID"] == str(header.rank // 2)
+        info = detect(env)
+        assert (info.launcher, info.rank, info.node_rank) == ("torchrun", header.rank,
+                                                             header.rank // 2)
 
 
 def pmix_task(rank: int, pmix_rank: Optional[int] = None) -> dict[str, str]:
@@ -445,5 +519,5 @@ def test_detect_does_not_import_mpi4py() -> None:
                           capture_output=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result == {"launchers": ["mpich", "openmpi", "slurm"], "mpi4py": False,
+    assert result == {"launchers": ["mpich", "openmpi", "slurm", "torchrun"], "mpi4py": False,
                       "torch": False}
