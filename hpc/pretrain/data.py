@@ -5,14 +5,14 @@ seeded stratified train/validation split, scaled to zero mean and unit variance 
 the training split's statistics. Users pass their own tensors as an ``.npz`` or ``.pt``
 file with four keys:
 
-==========  ==============================================  =====================
-key         shape                                           dtype
-==========  ==============================================  =====================
-``x_train`` ``(N, C, H, W)`` (or ``(N, H, W)``: 1 channel)  float (used as given)
-``y_train`` ``(N,)``, class indices ``0..K-1``              integer
-``x_val``   ``(M, C, H, W)`` (or ``(M, H, W)``)             float
-``y_val``   ``(M,)``                                        integer
-==========  ==============================================  =====================
+=============  ================================================  ======================
+key            shape                                             dtype
+=============  ================================================  ======================
+``x_train``    ``(N, C, H, W)``, or ``(N, H, W)`` for 1 channel  float (used as given)
+``y_train``    ``(N,)``, class indices ``0..K-1``                integer
+``x_val``      ``(M, C, H, W)``, or ``(M, H, W)``                float
+``y_val``      ``(M,)``                                          integer
+=============  ================================================  ======================
 """
 
 from __future__ import annotations

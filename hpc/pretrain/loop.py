@@ -222,9 +222,10 @@ def pretrain(config: Optional[PretrainConfig] = None, space: Optional[nn.Module]
         done_before, batch_start = spe - len(batches), 0
         bar = _progress(show, spe, done_before, f"epoch {epoch + 1}/{cfg.epochs}")
         loss_sum, loss_n, stop = 0.0, 0, False
-        for i, idx in enumerate(batches):
+        # One host-to-device copy per epoch, not one per step.
+        order = torch.stack(batches).to(dev) if batches else batches
+        for i, idx in enumerate(order):
             t0 = time.perf_counter()
-            idx = idx.to(dev)
             step += 1
             arch = space.sample(arch_generator(cfg.seed, rank, step))
             xb, yb = data.x_train[idx], data.y_train[idx]

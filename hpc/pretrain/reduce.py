@@ -68,22 +68,22 @@ class StepReducer:
     @torch.no_grad()
     def __call__(self, loss_sum: Tensor, correct: Tensor, count: int,
                  stop: bool) -> StepStats:
-        head = torch.stack([loss_sum.detach().float(), correct.float(),
-                            torch.tensor(float(count), device=loss_sum.device),
-                            torch.tensor(float(stop), device=loss_sum.device)])
-        if self.world == 1:
-            values = head.tolist()
-        else:
-            flat = torch.cat([head.to(self.device)]
-                             + [b.reshape(-1).float() for b in self.buffers])
-            dist.all_reduce(flat)
-            values = flat[:4].tolist()
-            off = 4
-            for b in self.buffers:
-                n = b.numel()
-                mean = flat[off:off + n].view(b.shape) / self.world
-                b.copy_(mean if b.is_floating_point() else mean.round())
-                off += n
+        if self.world == 1:  # one device-to-host copy, nothing else
+            loss_total, corr = torch.stack([loss_sum.detach().float(), correct.float()]).tolist()
+            return StepStats(loss=loss_total / max(count, 1), acc=corr / max(count, 1),
+                             samples=count, stop=stop)
+        extra = torch.tensor([float(count), float(stop)], device=self.device)
+        flat = torch.cat([loss_sum.detach().float().reshape(1).to(self.device),
+                          correct.float().reshape(1).to(self.device), extra]
+                         + [b.reshape(-1).float() for b in self.buffers])
+        dist.all_reduce(flat)
+        values = flat[:4].tolist()
+        off = 4
+        for b in self.buffers:
+            n = b.numel()
+            mean = flat[off:off + n].view(b.shape) / self.world
+            b.copy_(mean if b.is_floating_point() else mean.round())
+            off += n
         loss, corr, n, flag = values
         return StepStats(loss=loss / max(n, 1.0), acc=corr / max(n, 1.0), samples=int(n),
                          stop=flag > 0)

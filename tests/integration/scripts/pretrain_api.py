@@ -25,6 +25,7 @@ import hpc
 from hpc.pretrain import PretrainConfig, StopFlag, Supernet, pretrain
 
 
+# [space]
 class MLPSpace(nn.Module):
     """A user search space: one hidden layer whose width is searched."""
 
@@ -40,6 +41,7 @@ class MLPSpace(nn.Module):
 
     def forward(self, x: torch.Tensor, arch: int) -> torch.Tensor:
         return self.head[arch](torch.relu(self.hidden[arch](x.flatten(1))))
+# [/space]
 
 
 class DriftingSupernet(Supernet):
