@@ -14,6 +14,7 @@ __all__ = [
     "RendezvousError",
     "ModelMismatchError",
     "CheckpointError",
+    "SubmitError",
 ]
 
 
@@ -43,3 +44,7 @@ class ModelMismatchError(HPCError):
 
 class CheckpointError(HPCError):
     """A checkpoint is missing, truncated or corrupt."""
+
+
+class SubmitError(HPCError):
+    """Submitting, following or requeueing a Slurm job failed, or the job itself failed."""

@@ -3,6 +3,11 @@
 Runs unchanged under ``hpc run --nproc N``, ``torchrun``, ``srun`` and ``mpirun``: it
 only calls :func:`hpc.init_torch`. Exit status 0 when the run completed or stopped
 cleanly at a checkpoint, 1 on a configuration/checkpoint error (same on every rank).
+
+The warning signal (``HPC_PREEMPT_SIGNAL``, default USR2; ``#SBATCH --signal=USR2@120``)
+stops every rank at the same step with a checkpoint; in a Slurm batch job the master then
+runs ``scontrol requeue`` (budget ``HPC_MAX_REQUEUES``) and every rank exits with 75, or
+1 when the job could not be requeued (see :mod:`hpc.preempt`).
 """
 
 from __future__ import annotations
@@ -87,7 +92,13 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 def main(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
     from hpc.errors import HPCError
+    from hpc.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
 
+    try:  # first: the warning signal must not kill a rank that is still importing torch
+        guard = PreemptGuard().install()
+    except HPCError as e:
+        print(f"hpc pretrain: {e}", file=sys.stderr)
+        return 2
     cfg = config_from_args(args)
     try:
         cfg.validate()
@@ -102,10 +113,13 @@ def main(args: argparse.Namespace) -> int:
     log_file = f"{cfg.out}/pretrain.log" if cfg.out else None
     hpc.setup_logging(info, level=getattr(logging, args.log_level), log_file=log_file)
     try:
-        result = pretrain(cfg)
+        result = pretrain(cfg, stop_requested=guard)
     except (HPCError, ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 1
+    if stopped_by_request(result.status, result.step, cfg.max_steps):
+        return requeue_after_stop(result.step, result.checkpoint, rank=info.rank,
+                                  signame=guard.signal_name).exit_code
     return 0 if result.status in ("completed", "stopped") else 1
 
 

@@ -1,0 +1,321 @@
+"""Preemption and time limits: warning signal -> agreed stop -> checkpoint -> requeue.
+
+Slurm sends a warning signal before it ends a job (``--signal=USR2@120``: USR2, 120 s
+before the time limit; ``scancel --signal=USR2 ID`` sends it by hand; with
+``PreemptParameters=send_user_signal`` also on preemption). The flow:
+
+1. :class:`PreemptGuard` turns the signal into a stop request on every rank that
+   receives it (the handler only assigns a flag, so it is signal-safe).
+2. The training loop polls the guard once per step and agrees across ranks (one tiny
+   all_reduce), so every rank stops after the same step; the global master writes a
+   checkpoint (:func:`hpc.pretrain.pretrain` does both).
+3. :func:`requeue_after_stop` (collective): the global master checks the requeue budget,
+   runs an optional hook (submitit: write the resubmission), runs
+   ``scontrol requeue $SLURM_JOB_ID`` and tells every rank the outcome, so no rank exits
+   before the job is requeued (with ``srun --kill-on-bad-exit`` an early non-zero exit
+   would end the step first). Ranks then exit with :data:`EXIT_REQUEUED`.
+4. Slurm restarts the job (``SLURM_RESTART_COUNT`` counts restarts); it resumes from the
+   newest checkpoint of its run directory, so every step runs exactly once.
+
+==================================  ======================================================
+``HPC_PREEMPT_SIGNAL``              the warning signal to handle (default ``USR2``; USR1 is
+                                    avoided because NCCL may use it)
+``HPC_MAX_REQUEUES``                requeue budget (default 3): no requeue once
+                                    ``SLURM_RESTART_COUNT`` reaches it
+``SLURM_RESTART_COUNT``             set by Slurm in a restarted job (absent = 0)
+``SLURM_JOB_ID``                    the job to requeue (``SLURM_JOBID`` on old releases)
+``SLURM_PROCID``/``RANK``           rank named in the "got SIGUSR2" line
+``SLURM_LOCALID``/``LOCAL_RANK``    only local rank 0 prints that line
+``SUBMITIT_PREEMPT_SIGNAL``         set by ``hpc submit`` to the same signal, so submitit's
+                                    own handler (active until the guard replaces it) agrees
+``SUBMITIT_FOLDER``                 set by submitit in its jobs: the resubmission is written
+                                    there (:mod:`hpc.jobs`)
+``HPC_TEST_STEP_SLEEP``             test-only: seconds slept per step (each poll), so
+                                    cluster tests can signal a run mid-way
+``HPC_TEST_SLEEP_RUNS``             test-only: sleep only in the first N runs of the job
+                                    (``SLURM_RESTART_COUNT < N``); default: every run
+==================================  ======================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from hpc.errors import SubmitError
+
+__all__ = [
+    "PreemptGuard", "Budget", "Outcome", "parse_signal", "read_budget",
+    "requeue_after_stop", "stopped_by_request", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES",
+    "EXIT_REQUEUED", "VALID_SIGNALS",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIGNAL = "USR2"
+DEFAULT_MAX_REQUEUES = 3
+#: Exit status of every rank after a successful requeue (sysexits' EX_TEMPFAIL).
+EXIT_REQUEUED = 75
+#: Warning signals a job may ask for (catchable, and not used by Slurm for job control).
+VALID_SIGNALS = ("USR2", "USR1", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG", "XCPU")
+
+
+def parse_signal(name: str) -> signal.Signals:
+    """``USR2``, ``SIGUSR2``, ``usr2`` or ``12`` -> ``signal.SIGUSR2``.
+
+    Raises:
+        SubmitError: the name is not one of :data:`VALID_SIGNALS` (listed in the message).
+    """
+    text = str(name).strip().upper()
+    short = text[3:] if text.startswith("SIG") else text
+    if text.isdigit():
+        try:
+            short = signal.Signals(int(text)).name[3:]
+        except ValueError:
+            short = text
+    if short not in VALID_SIGNALS:
+        raise SubmitError(
+            f"warning signal {name!r} is not supported.\n"
+            "The job must be able to catch it, and Slurm uses STOP/CONT/KILL itself.\n"
+            f"HINT: use one of: {', '.join(VALID_SIGNALS)} (default {DEFAULT_SIGNAL}; "
+            "USR1 may clash with NCCL).")
+    return signal.Signals[f"SIG{short}"]
+
+
+def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
+    raw = environ.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise SubmitError(f"{key}={raw!r} is not a non-negative integer.\n"
+                          f"HINT: set {key} to a whole number such as {default}, or unset it.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How often this job was restarted, and how often it may be requeued in all."""
+
+    restarts: int
+    max_requeues: int
+
+    @property
+    def left(self) -> bool:
+        """True while another requeue is allowed."""
+        return self.restarts < self.max_requeues
+
+
+def read_budget(environ: Optional[Mapping[str, str]] = None) -> Budget:
+    """The requeue budget from ``SLURM_RESTART_COUNT`` and ``HPC_MAX_REQUEUES``."""
+    env = os.environ if environ is None else environ
+    return Budget(_env_int(env, "SLURM_RESTART_COUNT", 0),
+                  _env_int(env, "HPC_MAX_REQUEUES", DEFAULT_MAX_REQUEUES))
+
+
+class PreemptGuard:
+    """A stop request raised by the warning signal, polled by the training loop.
+
+    Pass the guard as ``stop_requested`` (it is callable) after :meth:`install`::
+
+        guard = PreemptGuard().install()
+        result = pretrain(cfg, stop_requested=guard)
+
+    Installing replaces any previous handler of the signal, submitit's included (it would
+    requeue at once from inside the handler, without the agreed stop).
+
+    Args:
+        signame: The signal (default ``HPC_PREEMPT_SIGNAL`` or ``USR2``).
+        environ: Variables to read (default ``os.environ``).
+    """
+
+    def __init__(self, signame: Optional[str] = None,
+                 environ: Optional[Mapping[str, str]] = None) -> None:
+        env = os.environ if environ is None else environ
+        self.signum = parse_signal(signame or env.get("HPC_PREEMPT_SIGNAL") or DEFAULT_SIGNAL)
+        self.requested = False
+        self.received_at: Optional[float] = None
+        self._previous: Any = None
+        self._installed = False
+        self._announce = env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0")) == "0"
+        self._rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
+        self._sleep = self._test_sleep(env)
+
+    @staticmethod
+    def _test_sleep(env: Mapping[str, str]) -> float:
+        raw = env.get("HPC_TEST_STEP_SLEEP", "").strip()
+        if not raw:
+            return 0.0
+        runs = _env_int(env, "HPC_TEST_SLEEP_RUNS", 0)
+        if runs and _env_int(env, "SLURM_RESTART_COUNT", 0) >= runs:
+            return 0.0
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            raise SubmitError(f"HPC_TEST_STEP_SLEEP={raw!r} is not a number of seconds.\n"
+                              "HINT: unset it (it is a test-only knob).") from None
+
+    @property
+    def signal_name(self) -> str:
+        """The handled signal's name, e.g. ``SIGUSR2``."""
+        return self.signum.name
+
+    def install(self) -> "PreemptGuard":
+        """Handle the signal from now on (main thread only); returns ``self``."""
+        self._previous = signal.signal(self.signum, self.request)
+        self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handler that was there before :meth:`install`."""
+        if self._installed:
+            signal.signal(self.signum, self._previous if self._previous is not None
+                          else signal.SIG_DFL)
+            self._installed = False
+
+    def request(self, signum: Optional[int] = None, frame: Any = None) -> None:
+        """Ask for a stop; fits ``signal.signal`` (only assignments and one ``write``)."""
+        first = not self.requested
+        self.requested = True
+        if first:
+            self.received_at = time.time()
+            if self._announce and signum is not None:
+                try:
+                    os.write(2, f"hpc: rank {self._rank} got {signal.Signals(signum).name}: "
+                                "stopping at the next step boundary\n".encode())
+                except OSError:
+                    pass
+
+    def __call__(self) -> bool:
+        if self._sleep:
+            time.sleep(self._sleep)
+        return self.requested
+
+
+def stopped_by_request(status: str, step: int, max_steps: Optional[int]) -> bool:
+    """True when a run that returned ``status`` stopped for a stop request, not max_steps."""
+    return status == "stopped" and not (max_steps is not None and step >= max_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What happened after an agreed stop (the same on every rank).
+
+    Attributes:
+        kind: ``requeued``, ``not-slurm`` (nothing to requeue), ``exhausted`` (budget
+            used up), ``failed`` (``scontrol requeue`` or the hook failed).
+        exit_code: What the process should exit with: :data:`EXIT_REQUEUED`, 0 for
+            ``not-slurm``, 1 otherwise.
+        message: One human sentence (with a ``HINT:`` when something is left to do).
+    """
+
+    kind: str
+    exit_code: int
+    message: str
+
+
+def _scontrol_requeue(job_id: str) -> Optional[str]:
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    if proc.returncode != 0:
+        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
+    return None
+
+
+def _decide(step: int, checkpoint: Optional[str], signame: str,
+            before_requeue: Optional[Callable[[], None]],
+            env: Mapping[str, str]) -> Outcome:
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no run directory)"
+    if not job:
+        return Outcome("not-slurm", 0, f"stopped at step {step} on {signame}; {where}. "
+                       "Not a Slurm job, nothing to requeue: rerun the same command to "
+                       "resume.")
+    try:
+        budget = read_budget(env)
+    except SubmitError as e:
+        return Outcome("failed", 1, str(e))
+    if not budget.left:
+        return Outcome("exhausted", 1, (
+            f"stopped at step {step} on {signame}; {where}. Job {job} was not requeued: "
+            f"SLURM_RESTART_COUNT={budget.restarts} reached HPC_MAX_REQUEUES="
+            f"{budget.max_requeues}.\nThe requeue budget stops endless preemption loops.\n"
+            "HINT: resubmit the same command (it resumes from the run directory), or raise "
+            "HPC_MAX_REQUEUES / hpc submit --max-requeues."))
+    logger.warning("stopped at step %d on %s; %s; requeueing job %s (restart %d of %d)",
+                   step, signame, where, job, budget.restarts + 1, budget.max_requeues)
+    try:
+        if before_requeue is not None:
+            before_requeue()
+    except Exception as e:  # the resubmission could not be written: do not requeue
+        return Outcome("failed", 1, f"preparing the requeue of job {job} failed: "
+                       f"{type(e).__name__}: {e}.\nHINT: resubmit the same command; it "
+                       "resumes from the run directory.")
+    error = _scontrol_requeue(job)
+    if error is not None:
+        return Outcome("failed", 1, (
+            f"stopped at step {step} on {signame}; {where}. `scontrol requeue {job}` "
+            f"failed: {error}.\nOnly batch jobs that allow requeueing can be requeued.\n"
+            "HINT: submit with sbatch --requeue (or hpc submit); or resubmit the same "
+            "command, which resumes from the run directory."))
+    return Outcome("requeued", EXIT_REQUEUED, (
+        f"requeued job {job} after step {step} ({signame}; {where}); restart "
+        f"{budget.restarts + 1} of at most {budget.max_requeues} resumes from it"))
+
+
+def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,
+                       signame: str = "the warning signal", rank: int = 0,
+                       before_requeue: Optional[Callable[[], None]] = None,
+                       environ: Optional[Mapping[str, str]] = None) -> Outcome:
+    """After an agreed stop: requeue the Slurm job from the global master (collective).
+
+    Call it on every rank, after the checkpoint of ``step`` was written. Rank 0 checks
+    the budget, calls ``before_requeue`` and runs ``scontrol requeue``; the outcome is
+    then broadcast, so no rank exits before the job is requeued. The master logs it.
+
+    Args:
+        step: The step the run stopped after.
+        checkpoint: That step's checkpoint (for the message).
+        signame: The signal that asked for the stop (for the message).
+        rank: This process's global rank.
+        before_requeue: Run on rank 0 just before ``scontrol requeue`` (submitit jobs
+            write their resubmission here); an exception cancels the requeue.
+        environ: Variables to read (default ``os.environ``).
+
+    Returns:
+        The same :class:`Outcome` on every rank.
+    """
+    env = os.environ if environ is None else environ
+    outcome = _decide(step, checkpoint, signame, before_requeue, env) if rank == 0 else None
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        dist = None  # type: ignore[assignment]
+    if dist is not None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        box = [dataclasses.astuple(outcome) if outcome is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        outcome = Outcome(*box[0])
+    if outcome is None:  # a non-master without a process group cannot learn it
+        outcome = Outcome("failed", 1, f"rank {rank}: no process group to learn the "
+                          "master's requeue outcome.\nHINT: call it on every rank after "
+                          "hpc.init_torch().")
+    if rank == 0:
+        log = logger.warning if outcome.kind == "requeued" else (
+            logger.info if outcome.kind == "not-slurm" else logger.error)
+        log("%s", outcome.message)
+        sys.stderr.flush()
+    return outcome

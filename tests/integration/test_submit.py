@@ -1,0 +1,282 @@
+"""``hpc submit`` / :func:`hpc.submit.submit` and preemption-safe requeue on the real cluster.
+
+Every job is 2 nodes x 2 tasks (``--gpus-per-node 2``, fake GPUs, gloo on CPU) running a
+tiny pretrain (2 epochs x 11 steps, checkpoint every 3 steps). One uninterrupted run is
+the reference; preempted runs must end with bitwise-identical weights and a metrics.csv
+holding each step exactly once. ``HPC_TEST_STEP_SLEEP`` (test-only, see hpc.preempt)
+slows the first run of a job so a signal lands mid-run; sleeping does not change the math.
+
+Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_submit.py``
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from tests.conftest import LAUNCHER_VARS
+from tests.helpers import ROOT, in_ci, require_slurm, slurm_env
+
+pytestmark = pytest.mark.slurm
+
+try:
+    import submitit  # noqa: F401
+except ImportError:  # pragma: no cover - submitit is in the test extra
+    if in_ci():
+        raise
+    pytest.skip("submitit not installed (pip install submitit)", allow_module_level=True)
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+from hpc import jobwatch  # noqa: E402
+from hpc.errors import SubmitError  # noqa: E402
+from hpc.pretrain import PretrainConfig  # noqa: E402
+from hpc.pretrain.checkpoint import load_latest  # noqa: E402
+from hpc.submit import SubmittedJob, submit  # noqa: E402
+
+STEPS = 22  # 2 epochs x (1437 // (4 ranks x 32)) steps
+TINY = dict(epochs=2, batch_size=32, width=8, val_archs=2, recal_samples=64, ckpt_every=3,
+            progress=False)
+TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs", "2",
+             "--recal-samples", "64", "--ckpt-every", "3", "--no-progress"]
+LAYOUT = dict(nodes=2, gpus_per_node=2, time_min=5, signal_delay_s=60)
+ENV = {"OMP_NUM_THREADS": "1"}  # the same in every run: the reference must match bitwise
+SLOW_FIRST_RUN = {"HPC_TEST_STEP_SLEEP": "0.5", "HPC_TEST_SLEEP_RUNS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    require_slurm()
+
+
+@pytest.fixture
+def cancel_after(cluster: None) -> Iterator[list[str]]:
+    """Job ids to scancel at teardown if still alive (a failed test leaves nothing running)."""
+    ids: list[str] = []
+    yield ids
+    for job_id in ids:
+        try:
+            if not jobwatch.is_terminal(jobwatch.current(job_id)):
+                subprocess.run(["scancel", job_id], timeout=20)
+        except (SubmitError, subprocess.TimeoutExpired):
+            subprocess.run(["scancel", job_id], timeout=20)
+
+
+def _submit(out: Path, log_dir: Path, **env: str) -> SubmittedJob:
+    return submit(PretrainConfig(**TINY, out=str(out)), log_dir=str(log_dir),
+                  env={**ENV, **env}, **LAYOUT)
+
+
+def _wait_for(path: Path, job_id: str, timeout: float = 90) -> None:
+    """Until ``path`` exists; fail early when the job is over."""
+    deadline, polls = time.monotonic() + timeout, 0
+    while not path.exists():
+        polls += 1
+        if time.monotonic() > deadline or (
+                polls % 25 == 0 and jobwatch.is_terminal(jobwatch.current(job_id))):
+            pytest.fail(f"{path} did not appear (job {job_id}: "
+                        f"{jobwatch.current(job_id).state})")
+        time.sleep(0.2)
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r["split"] == "train"]
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
+    return torch.load(newest, map_location="cpu", weights_only=True)
+
+
+def assert_same_final_weights(run_dir: Path, reference: Path) -> None:
+    a, b = final_state(run_dir), final_state(reference)
+    assert a["step"] == b["step"] == STEPS
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"weight {k} differs"
+    for k, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][k][name]), f"optimizer {k}.{name}"
+    assert a["val_acc"] == b["val_acc"]
+
+
+def assert_each_step_once(run_dir: Path) -> None:
+    steps = train_steps(run_dir)
+    assert steps == list(range(1, STEPS + 1)), f"duplicates or gaps: {steps}"
+
+
+def assert_requeued_once_or_more(job_id: str) -> list[jobwatch.Run]:
+    runs = jobwatch.history(job_id)
+    assert [r.word for r in runs[:-1]] and all(r.word == "REQUEUED" for r in runs[:-1]), runs
+    assert runs[-1].word == "COMPLETED", runs
+    return runs
+
+
+def stop_step(run_dir: Path) -> int:
+    text = (run_dir / "pretrain.log").read_text()
+    m = re.search(r"stopping at step (\d+) \(stop requested\)", text)
+    assert m, text[-2000:]
+    return int(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One uninterrupted submitit run: (run dir, rank 0's result, the job)."""
+    base = tmp_path_factory.mktemp("reference")
+    with pytest.MonkeyPatch.context() as mp:  # module fixtures run before conftest's clearing
+        for key in [k for k in os.environ if LAUNCHER_VARS.match(k)]:
+            mp.delenv(key)
+        job = _submit(base / "run", base / "logs")
+    try:
+        result = job.result(timeout=150)
+    except BaseException:
+        job.cancel()
+        raise
+    yield base / "run", result, job
+
+
+@pytest.mark.timeout(200)
+def test_submitit_job_runs_pretrain_and_returns_its_result(reference: Any) -> None:
+    run_dir, result, job = reference
+    assert result.status == "completed" and result.step == STEPS
+    assert result.world_size == 4 and len(result.val_acc) == 2
+    assert result.resumed_from is None
+    assert [r.word for r in job.history()] == ["COMPLETED"]
+    ranks = job.results(timeout=30)
+    assert len(ranks) == 4 and {r.step for r in ranks} == {STEPS}
+    assert {tuple(r.val_acc) for r in ranks} == {tuple(result.val_acc)}
+    assert_each_step_once(run_dir)
+    log = job.logs(0)[1].read_text()
+    assert "pretrain completed at step 22" in log
+
+
+@pytest.mark.timeout(300)
+def test_usr2_checkpoints_requeues_and_resumes_exactly(reference: Any, tmp_path: Path,
+                                                        cancel_after: list[str]) -> None:
+    out = tmp_path / "run"
+    job = _submit(out, tmp_path / "logs", **SLOW_FIRST_RUN)
+    cancel_after.append(job.job_id)
+    _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
+    job.cancel(signal="USR2")  # scancel --signal=USR2: every task of the step
+    result = job.result(timeout=180)
+    assert result.status == "completed" and result.step == STEPS
+    stopped = stop_step(out)
+    assert 6 <= stopped < STEPS
+    assert result.resumed_from and result.resumed_from.endswith(f"ckpt-{stopped:08d}.pt")
+    runs = assert_requeued_once_or_more(job.job_id)
+    assert len(runs) == 2
+    log = job.logs(0)[1].read_text()
+    assert f"requeued job {job.job_id} after step {stopped}" in log
+    assert "DUE TO JOB REQUEUE" in log  # the log was appended to, not truncated
+    assert_each_step_once(out)
+    assert_same_final_weights(out, reference[0])
+
+
+@pytest.mark.timeout(330)
+def test_time_limit_signal_requeues_through_hpc_submit_wait(
+        reference: Any, tmp_path: Path, cancel_after: list[str]) -> None:
+    """``--time 2 --signal-delay 60``: Slurm itself sends USR2 30-60 s into the run."""
+    out = tmp_path / "run"
+    env = slurm_env()
+    cmd = [sys.executable, "-m", "hpc", "submit", "--nodes", "2", "--gpus-per-node", "2",
+           "--time", "2", "--signal-delay", "60", "--log-dir", str(tmp_path / "logs"),
+           "--env", "OMP_NUM_THREADS=1", "--env", "HPC_TEST_STEP_SLEEP=2.5",
+           "--env", "HPC_TEST_SLEEP_RUNS=1", "--wait", "--wait-timeout", "240",
+           "--", *TINY_ARGS, "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text, _ = proc.communicate(timeout=280)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            text = proc.communicate()[0]
+        m = re.search(r"submitted job (\d+)", text or "")
+        if m:
+            cancel_after.append(m.group(1))
+    assert proc.returncode == 0, text[-4000:]
+    job_id = m.group(1)
+    for expected in (f"squeue -j {job_id}", f"scancel {job_id}", "tail -f ",
+                     f"hpc submit: job {job_id} REQUEUED", "got SIGUSR2",
+                     f"hpc submit: job {job_id} COMPLETED"):
+        assert expected in text, f"{expected!r} missing from:\n{text[-4000:]}"
+    stopped = stop_step(out)
+    assert 1 <= stopped < STEPS
+    assert_requeued_once_or_more(job_id)
+    assert_each_step_once(out)
+    assert_same_final_weights(out, reference[0])
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_template_requeues_with_scontrol_and_resumes_exactly(
+        reference: Any, tmp_path: Path, cancel_after: list[str]) -> None:
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **SLOW_FIRST_RUN)
+    proc = subprocess.run(["sbatch", "--parsable", str(ROOT / "slurm" / "pretrain.sbatch"),
+                           *TINY_ARGS, "--out", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    cancel_after.append(job_id)
+    _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job_id)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=20)
+    last = jobwatch.wait(job_id, timeout=180)
+    log = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
+    assert last.word == "COMPLETED", log[-4000:]
+    stopped = stop_step(out)
+    assert f"requeued job {job_id} after step {stopped}" in log
+    assert log.count(f"hpc: job {job_id} on") == 2  # both runs appended to one log
+    assert f"resumed from {out}/checkpoints/ckpt-{stopped:08d}.pt" in log
+    assert len(assert_requeued_once_or_more(job_id)) == 2
+    assert_each_step_once(out)
+    assert_same_final_weights(out, reference[0])
+
+
+def _pid_of(job_id: str, rank: int, marker: bytes) -> Optional[int]:
+    """The pid of ``rank`` of ``job_id`` (same pid namespace as the node namespaces)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmdline and f"SLURM_JOB_ID={job_id}".encode() in environ \
+                and f"SLURM_PROCID={rank}".encode() in environ:
+            return int(name)
+    return None
+
+
+@pytest.mark.timeout(200)
+def test_sigkilled_rank_fails_the_job_fast_naming_it(cluster: None, tmp_path: Path,
+                                                      cancel_after: list[str]) -> None:
+    out = tmp_path / "run"
+    job = _submit(out, tmp_path / "logs", HPC_TEST_STEP_SLEEP="0.5")
+    cancel_after.append(job.job_id)
+    _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
+    pid = _pid_of(job.job_id, 3, b"submitit.core._submit")
+    assert pid is not None, "rank 3's process not found"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    last = job.wait(timeout=60)
+    took = time.monotonic() - killed
+    assert last.word == "FAILED" and took < 60, (last, took)
+    with pytest.raises(SubmitError) as e:
+        job.result(timeout=30)
+    assert re.search(r"first failure: rank 3 on node2: Killed", str(e.value)), str(e.value)
+    path, payload = load_latest(out / "checkpoints")  # sha256-verified, weights_only=True
+    assert payload["step"] >= 6
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    assert set(raw["model"]) == set(payload["model"])
