@@ -254,19 +254,19 @@ class GradSync:
             dst.zero_()
         else:
             torch.mul(g.reshape(-1), scale, out=dst)  # DDP's reducer: mul_out(1/ws)
+            if b.kind == "bcast":
+                dst.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it (cache-hot)
         b.pending -= 1
         st.packed.add(i)
 
     def _launch_ready(self, st: _Step) -> None:
-        assert st.plan is not None
-        rank = dist.get_rank(self.group)
-        while st.launched < len(st.plan) and st.plan[st.launched].pending == 0:
-            b = st.plan[st.launched]
+        """Issue the next buckets, in plan order, while they are fully packed."""
+        plan = st.plan or []
+        while st.launched < len(plan) and plan[st.launched].pending == 0:
+            b = plan[st.launched]
             if b.kind == "sum":
                 b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
             else:
-                if b.owner == rank:
-                    b.flat.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it
                 src = b.owner if self.group is None else dist.get_global_rank(
                     self.group, b.owner)
                 b.work = dist.broadcast(b.flat, src, group=self.group, async_op=True)
@@ -294,39 +294,37 @@ class GradSync:
             self._launch_ready(st)
 
     def _finish(self, st: _Step, ws: int) -> None:
+        """Pack and issue what backward did not, wait, and point ``.grad`` at results."""
         if st.plan is None:
             if st.work is not None:
                 st.work.wait()
             self._build(st)
-        assert st.plan is not None
+        plan = st.plan or []
         rank = dist.get_rank(self.group)
         mine = st.mine.tolist()
         scale = 1.0 / ws
         try:
-            for b in st.plan[st.launched:]:  # pack and send what backward did not
+            for b in plan[st.launched:]:
                 if b.kind == "sum" or b.owner == rank:
                     for i in b.idx:
                         if mine[i] and i not in st.packed:
                             self._pack(st, i, scale)
                 self._launch_ready(st)
-            sent = skipped = 0
-            for b in st.plan:
+            sent = 0
+            for b in plan:
                 b.work.wait()
                 for i, off in zip(b.idx, b.offsets):
                     if b.exact and not st.counts[i]:
                         continue  # zeros of a DDP-layout bucket: nobody used it
                     p = self.params[i]
-                    p.grad = b.flat[off:off + self._numels[i]].view(p.shape).to(p.device)
+                    view = b.flat[off:off + self._numels[i]].view(p.shape)
+                    p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
-            skipped = len(self.params) - sent
-            self.stats = {
-                "params_synced": sent, "params_skipped": skipped,
-                "collectives": len(st.plan),
-                "bcast_bytes": sum(b.numel * b.flat.element_size() for b in st.plan
-                                   if b.kind == "bcast"),
-                "sum_bytes": sum(b.numel * b.flat.element_size() for b in st.plan
-                                 if b.kind == "sum"),
-            }
+            nbytes = {k: sum(b.numel * self._itemsizes[b.idx[0]] for b in plan if b.kind == k)
+                      for k in ("bcast", "sum")}
+            self.stats = {"params_synced": sent, "params_skipped": len(self.params) - sent,
+                          "collectives": len(plan), "bcast_bytes": nbytes["bcast"],
+                          "sum_bytes": nbytes["sum"]}
         finally:
             self._arena.end_step()
 

@@ -2,8 +2,8 @@
 
 Each rank seeds differently, so parameters and buffers (BatchNorm running stats and its
 int64 ``num_batches_tracked``, a float64 and a bool buffer, a float16 layer) differ.
-For every flag combination and two bucket sizes (one bucket; many tiny buckets with
-several in flight) the originals are all_gathered first and the result is checked:
+For every flag combination and three layouts (one bucket; many tiny buckets with
+several in flight; most tensors sent alone in place) the originals are all_gathered first and the result is checked:
 broadcast -> rank 0's tensors exactly; reduce -> the mean of the originals (floor mean
 for integers, rank 0's value for bools); and every rank bitwise equal. Prints ``RESULT``.
 """
@@ -56,7 +56,8 @@ def expected(origs: list[torch.Tensor], mean: bool) -> torch.Tensor:
     return torch.div(torch.stack(origs).sum(0), len(origs), rounding_mode="floor")
 
 
-def check(rank: int, ws: int, reduce_p: bool, reduce_b: bool, bucket: int) -> str:
+def check(rank: int, ws: int, reduce_p: bool, reduce_b: bool, bucket: int,
+          direct: int) -> str:
     net = build(rank)
     named = [(n, t, reduce_p) for n, t in net.named_parameters()]
     named += [(n, t, reduce_b) for n, t in net.named_buffers()]
@@ -64,7 +65,7 @@ def check(rank: int, ws: int, reduce_p: bool, reduce_b: bool, bucket: int) -> st
     if torch.equal(origs["fc.weight"][0], origs["fc.weight"][1]):
         return "setup: ranks started equal, the test would prove nothing"
     hpc.sync_model(net, reduce_parameters=reduce_p, reduce_buffers=reduce_b,
-                   bucket_bytes=bucket)
+                   bucket_bytes=bucket, direct_bytes=direct)
     for n, t, mean in named:
         now = gather(t, ws)
         if not all(torch.equal(x, now[0]) for x in now):
@@ -85,11 +86,12 @@ def main() -> int:
     info = hpc.init_torch(backend="gloo")
     for reduce_p in (False, True):
         for reduce_b in (False, True):
-            for bucket in (25 << 20, 96):
-                err = check(info.rank, info.world_size, reduce_p, reduce_b, bucket)
+            for bucket, direct in ((25 << 20, 1 << 20), (96, 1 << 30), (96, 64)):
+                err = check(info.rank, info.world_size, reduce_p, reduce_b, bucket, direct)
                 if err:
                     print(f"RESULT FAIL reduce_parameters={reduce_p} "
-                          f"reduce_buffers={reduce_b} bucket_bytes={bucket}: {err}",
+                          f"reduce_buffers={reduce_b} bucket_bytes={bucket} "
+                          f"direct_bytes={direct}: {err}",
                           flush=True)
                     return 1
     print(f"RESULT ok rank={info.rank} ws={info.world_size}", flush=True)
