@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from hpc.errors import ModelMismatchError
 
-__all__ = ["active_world", "check_same_tensors", "comm_device", "Signature", "describe"]
+__all__ = ["active_world", "check_same_tensors", "start_check", "finish_check",
+           "comm_device", "Signature", "describe"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,38 @@ def mismatch_message(sigs: Sequence[Signature], what: str) -> str:
     return "\n".join(lines)
 
 
+def start_check(named: Sequence[tuple[str, torch.Tensor]], group: Optional[Any] = None
+                ) -> Optional[tuple[Signature, list[torch.Tensor], Any]]:
+    """Issue the check's ``all_gather`` asynchronously; finish with :func:`finish_check`.
+
+    Lets the caller plan its buckets while the hashes travel. None when not distributed.
+    No other collective may be issued on ``group`` before :func:`finish_check`.
+    """
+    ws = active_world(group)
+    if not ws:
+        return None
+    sig = signature(named)
+    dev = comm_device(group)
+    mine = torch.tensor([_digest(sig), len(sig)], dtype=torch.int64, device=dev)
+    gathered = [torch.empty_like(mine) for _ in range(ws)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    return sig, gathered, work
+
+
+def finish_check(handle: Optional[tuple[Signature, list[torch.Tensor], Any]], what: str,
+                 group: Optional[Any] = None) -> None:
+    """Wait for :func:`start_check`; raise :class:`ModelMismatchError` on a mismatch."""
+    if handle is None:
+        return
+    sig, gathered, work = handle
+    work.wait()
+    if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
+        return
+    sigs: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(sigs, sig, group=group)
+    raise ModelMismatchError(mismatch_message(sigs, what))
+
+
 def check_same_tensors(named: Sequence[tuple[str, torch.Tensor]], what: str,
                        group: Optional[Any] = None) -> None:
     """Raise :class:`ModelMismatchError` on every rank when the tensor lists differ.
@@ -117,16 +150,4 @@ def check_same_tensors(named: Sequence[tuple[str, torch.Tensor]], what: str,
     ``all_gather_object`` of the lists (to name the difference). Collective: every rank
     of ``group`` must call it.
     """
-    ws = active_world(group)
-    if not ws:
-        return
-    sig = signature(named)
-    dev = comm_device(group)
-    mine = torch.tensor([_digest(sig), len(sig)], dtype=torch.int64, device=dev)
-    gathered = [torch.empty_like(mine) for _ in range(ws)]
-    dist.all_gather(gathered, mine, group=group)
-    if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
-        return
-    sigs: list[Any] = [None] * ws
-    dist.all_gather_object(sigs, sig, group=group)
-    raise ModelMismatchError(mismatch_message(sigs, what))
+    finish_check(start_check(named, group), what, group)

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hpc._collective import active_world, check_same_tensors, comm_device
+from hpc._collective import active_world, comm_device, finish_check, start_check
 
 __all__ = ["sync_model", "DEFAULT_BUCKET_BYTES"]
 
@@ -186,8 +186,7 @@ def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
         return
     params = list(module.named_parameters())
     buffers = list(module.named_buffers())
-    if check:
-        check_same_tensors(params + buffers, "sync_model", group)
+    pending_check = start_check(params + buffers, group) if check else None
     work = [(p.data, "mean" if reduce_parameters else "broadcast") for _, p in params]
     work += [(b, "mean" if reduce_buffers else "broadcast") for _, b in buffers]
     rank = dist.get_rank(group)
@@ -195,7 +194,9 @@ def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
     pool = _Pool()
     pending: deque[tuple[_Bucket, torch.Tensor, Any]] = deque()
     direct: list[tuple[_Bucket, torch.Tensor, Any]] = []
-    for b in _buckets(work, group, bucket_bytes, direct_bytes):
+    plan = _buckets(work, group, bucket_bytes, direct_bytes)  # while the check travels
+    finish_check(pending_check, "sync_model", group)
+    for b in plan:
         if b.direct:
             flat = b.tensors[0]
         else:
