@@ -195,19 +195,18 @@ class GradSync:
 
     # ------------------------------------------------------------------ steps
     def _local_mask(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """uint8 per parameter: 1 where this rank has (or backward will give) a grad."""
         reach = _reachable(loss) if loss is not None else set()
-        mine = torch.zeros(len(self.params), dtype=torch.uint8)
+        flags = []
         for i, p in enumerate(self.params):
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise HPCError(
-                        f"sync_gradients: parameter {self.named[i][0]!r} has a sparse "
-                        "gradient.\nSparse gradients (nn.Embedding(sparse=True)) are not "
-                        "supported by the bucketed sync.\nHINT: use sparse=False.")
-                mine[i] = 1
-            elif id(p) in reach:
-                mine[i] = 1
-        return mine
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise HPCError(
+                    f"sync_gradients: parameter {self.named[i][0]!r} has a sparse "
+                    "gradient.\nSparse gradients (nn.Embedding(sparse=True)) are not "
+                    "supported by the bucketed sync.\nHINT: use sparse=False.")
+            flags.append(g is not None or id(p) in reach)
+        return torch.tensor(flags, dtype=torch.uint8)
 
     def _begin(self, mine: torch.Tensor, asynchronous: bool) -> _Step:
         if not self._checked:
