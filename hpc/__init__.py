@@ -16,6 +16,7 @@ from hpc.errors import (
     MasterAddressError,
     ModelMismatchError,
     RendezvousError,
+    SubmitError,
 )
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "setup_logging", "sync_model", "sync_gradients", "GradSync",
     "HPCError", "LaunchEnvironmentError", "InconsistentEnvironmentError",
     "MasterAddressError", "RendezvousError", "ModelMismatchError", "CheckpointError",
+    "SubmitError",
 ]
 
 # Names served lazily so that `import hpc` (and `hpc run`) never imports torch.

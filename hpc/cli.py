@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Optional
 
 __all__ = ["main", "SUBCOMMANDS"]
 
-#: Modules contributing subcommands, imported lazily (none imports torch at import).
-SUBCOMMANDS = ("hpc.cli_env", "hpc.demo", "hpc.pretrain.cli", "hpc.submit")
+logger = logging.getLogger(__name__)
+
+#: Subcommand -> module contributing it, imported lazily (none imports torch at import).
+SUBCOMMANDS = {"env": "hpc.cli_env", "demo": "hpc.demo", "pretrain": "hpc.pretrain.cli",
+               "submit": "hpc.submit"}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -29,6 +33,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hpc run: {e}", file=sys.stderr)
         return 2
+
+
+def _unavailable(name: str, error: Exception) -> int:
+    print(f"hpc: {name} cannot be imported: {error!r}\n"
+          "HINT: reinstall torch-hpc with the extra this command needs, e.g. "
+          "pip install 'torch-hpc[submit,pretrain]'.", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,12 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     p.set_defaults(func=_cmd_run)
-    for name in SUBCOMMANDS:
+    for command, name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:  # a real import error inside an existing module
-                raise
+        except Exception as e:  # one broken subcommand must not take down the others
+            logger.debug("subcommand module %s unavailable: %s", name, e)
+            broken = sub.add_parser(command, help=f"(unavailable: {e})")
+            broken.set_defaults(func=lambda _a, n=name, e=e: _unavailable(n, e))
             continue
         module.add_parser(sub)
     return parser
