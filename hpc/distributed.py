@@ -163,12 +163,14 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
             store = dist.HashStore()
         else:
             store = rendezvous.preflight(info, connect_timeout, timeout, env)
-            store = dist.PrefixStore("hpc/pg", store)
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev
-        dist.init_process_group(backend, store=store, rank=info.rank,
-                                world_size=info.world_size, timeout=timeout, **kwargs)
+        dist.init_process_group(backend, store=dist.PrefixStore("hpc/pg", store),
+                                rank=info.rank, world_size=info.world_size, timeout=timeout,
+                                **kwargs)
+        if info.world_size > 1:
+            rendezvous.confirm_init(store, info, connect_timeout)
     _STATE.update(info=info, device=dev)
     if not _STATE["atexit"]:
         atexit.register(teardown)

@@ -27,7 +27,7 @@ from hpc.environments import DistInfo
 from hpc.environments.base import derive_port
 from hpc.errors import MasterAddressError, RendezvousError
 
-__all__ = ["resolve_master", "from_mpi4py", "free_port", "preflight", "launcher_pid"]
+__all__ = ["resolve_master", "confirm_init", "from_mpi4py", "free_port", "preflight", "launcher_pid"]
 
 logger = logging.getLogger(__name__)
 
@@ -316,3 +316,24 @@ def _worker_wait(store: Any, info: DistInfo, addr: str, port: int, deadline: flo
         ) from e
     if verdict.startswith("abort:"):
         raise RendezvousError(f"rank {info.rank}: rank 0 aborted start-up: {verdict[6:]}")
+
+
+def confirm_init(store: Any, info: DistInfo, timeout: float) -> None:
+    """Return only once every rank has finished ``init_process_group``.
+
+    Without it a rank that returns from init and fails at once (a bad argument, a
+    missing file) closes its sockets while peers are still connecting their gloo mesh,
+    and they die with "Connection closed by peer", hiding the real cause. One counter
+    in the store; the last rank to arrive releases the others.
+    """
+    if store.add("hpc/pf/initialised", 1) == info.world_size:
+        store.set("hpc/pf/all-initialised", "1")
+    try:
+        store.wait(["hpc/pf/all-initialised"], timedelta(seconds=max(1.0, timeout)))
+    except Exception as e:
+        raise RendezvousError(
+            f"rank {info.rank}: initialised, but not every rank of {info.world_size} "
+            f"finished init_process_group within {timeout:.0f}s.\n"
+            "A rank crashed or stalled while connecting to its peers.\n"
+            "HINT: check the other ranks' logs for the first error."
+        ) from e
