@@ -297,6 +297,7 @@ class GradSync:
         if st.plan is None:
             if st.work is not None:
                 st.work.wait()
+                st.work = None
             self._build(st)
         plan = st.plan or []
         rank = dist.get_rank(self.group)
@@ -312,6 +313,10 @@ class GradSync:
             sent = 0
             for b in plan:
                 b.work.wait()
+                # Drop finished Work handles now: gloo Work objects that outlive the
+                # process group (kept until the next step or interpreter exit) can
+                # abort the process in their destructor.
+                b.work = None
                 for i, off in zip(b.idx, b.offsets):
                     if b.exact and not st.counts[i]:
                         continue  # zeros of a DDP-layout bucket: nobody used it
