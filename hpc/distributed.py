@@ -185,10 +185,17 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
 def teardown() -> None:
     """Destroy the process group (safe to call twice; also runs at exit)."""
     try:
+        import gc
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            # Free unreferenced Work handles while the group still exists: a gloo Work
+            # destroyed after its group, during interpreter shutdown, can abort the
+            # process ("terminate called without an active exception").
+            gc.collect()
             dist.destroy_process_group()
+            gc.collect()
     except Exception as e:  # pragma: no cover - best effort at exit
         logger.debug("teardown: %s", e)
     _STATE.update(info=None, device=None)
