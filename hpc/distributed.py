@@ -162,7 +162,12 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         if info.world_size == 1:
             store = dist.HashStore()
         else:
-            store = rendezvous.preflight(info, connect_timeout, timeout, env)
+            gpu = None
+            if backend == "nccl" and dev.type == "cuda":
+                from hpc import gpubind
+
+                gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
+            store = rendezvous.preflight(info, connect_timeout, timeout, env, gpu=gpu)
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev

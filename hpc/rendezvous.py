@@ -8,6 +8,9 @@ The pre-flight turns the two classic silent hangs into errors within seconds:
 * a missing rank (``--ntasks`` vs ``--ntasks-per-node``, a dead process): rank 0 waits
   for every rank's key in its store and reports exactly which ranks never came.
 
+It also stops nccl ranks that would share one GPU (see :mod:`hpc.gpubind`) before NCCL
+fails on them with "Duplicate GPU detected" or stalls.
+
 Non-master ranks only open the torch store once rank 0's port accepts connections, so
 no client falls into the store's reconnect back-off.
 """
@@ -23,9 +26,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
+from hpc import gpubind
 from hpc.environments import DistInfo
 from hpc.environments.base import derive_port
-from hpc.errors import MasterAddressError, RendezvousError
+from hpc.errors import LaunchEnvironmentError, MasterAddressError, RendezvousError
 
 __all__ = ["resolve_master", "confirm_init", "from_mpi4py", "free_port", "preflight", "launcher_pid"]
 
@@ -224,8 +228,11 @@ def _since(deadline: float) -> str:
 
 
 def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
-              environ: Optional[Mapping[str, str]] = None) -> Any:
+              environ: Optional[Mapping[str, str]] = None,
+              gpu: Optional[gpubind.GpuClaim] = None) -> Any:
     """Bring every rank together on rank 0's TCPStore and return the store.
+
+    ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
 
     Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves the
     store at ``MASTER_PORT``; every rank, rank 0 included, joins it as a client, and keys
@@ -234,6 +241,7 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     Raises:
         RendezvousError: the master is unreachable, its port is taken, a rank is
             missing at the deadline, or two processes claim the same rank.
+        LaunchEnvironmentError: two ranks would share one GPU under nccl (every rank).
     """
     import torch.distributed as dist
 
@@ -273,6 +281,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
             "HINT: unset RANK/LOCAL_RANK in the job script; give concurrent jobs distinct "
             "MASTER_PORTs."
         )
+    if gpu is not None:
+        gpubind.publish(store, gpu)  # before joining: rank 0 then sees every claim
     store.set(f"hpc/pf/{info.rank}", json.dumps(me))
     if info.rank == 0:
         _master_wait(store, info, addr, port, deadline, start)
@@ -299,23 +309,45 @@ def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
             "HINT: check the missing ranks' logs; under Slurm compare SLURM_NTASKS with "
             "what srun started (`hpc env` on each node shows the detected layout)."
         )
-        store.set("hpc/pf/go", "abort:" + msg)
+        _abort(store, "abort:" + msg, info.world_size - 1 - len(missing))
         raise RendezvousError(msg) from e
+    shared = gpubind.find_shared(store)
+    if shared is not None:
+        _abort(store, "abort-launch:" + str(shared), info.world_size - 1)
+        raise shared
     store.set("hpc/pf/go", "ok")
+
+
+def _abort(store: Any, verdict: str, readers: int, linger: float = 3.0) -> None:
+    """Publish an abort verdict; wait (briefly) until ``readers`` ranks have read it.
+
+    Rank 0 serves the store: exiting at once could close it before the other ranks
+    fetched the reason, and they would report a vanished master instead.
+    """
+    store.set("hpc/pf/go", verdict)
+    end = time.monotonic() + linger
+    while readers > 0 and time.monotonic() < end:
+        if store.add("hpc/pf/verdict-read", 0) >= readers:
+            return
+        time.sleep(0.01)
 
 
 def _worker_wait(store: Any, info: DistInfo, addr: str, port: int, deadline: float) -> None:
     try:
         store.wait(["hpc/pf/go"], timedelta(seconds=max(0.01, deadline - time.monotonic())))
         verdict = store.get("hpc/pf/go").decode()
+        if verdict != "ok":
+            store.add("hpc/pf/verdict-read", 1)  # rank 0 may leave now
     except Exception as e:
         raise RendezvousError(
             f"rank {info.rank}: connected to {addr}:{port} but rank 0 never confirmed "
             "that all ranks joined.\nRank 0 died or stalled during start-up.\n"
             "HINT: check rank 0's log."
         ) from e
-    if verdict.startswith("abort:"):
-        raise RendezvousError(f"rank {info.rank}: rank 0 aborted start-up: {verdict[6:]}")
+    if verdict.startswith("abort"):
+        kind, reason = verdict.split(":", 1)
+        error = LaunchEnvironmentError if kind == "abort-launch" else RendezvousError
+        raise error(f"rank {info.rank}: rank 0 aborted start-up: {reason}")
 
 
 def confirm_init(store: Any, info: DistInfo, timeout: float) -> None:

@@ -1,9 +1,11 @@
 """Every error the bootstrap raises is on the troubleshooting page.
 
-For each ``raise SomeHPCError(<message>)`` in ``hpc/environments/``, ``hpc/distributed.py``
-and ``hpc/rendezvous.py``, the longest literal piece of the message's first line (the
-text between ``{placeholders}``) must appear in ``docs/troubleshooting.md``. Rewording an
-error, or adding one, therefore means updating that page.
+For each ``raise SomeHPCError(<message>)`` (or ``return SomeHPCError(<message>)``, an
+error built for the caller to raise) in ``hpc/environments/``, ``hpc/distributed.py``,
+``hpc/rendezvous.py`` and ``hpc/gpubind.py``, the longest literal piece of the message's
+first line (the text between ``{placeholders}``) must appear in
+``docs/troubleshooting.md``. Rewording an error, or adding one, therefore means updating
+that page.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import hpc.errors
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "troubleshooting.md"
 BOOTSTRAP = [*sorted((ROOT / "hpc" / "environments").glob("*.py")),
-             ROOT / "hpc" / "distributed.py", ROOT / "hpc" / "rendezvous.py"]
+             ROOT / "hpc" / "distributed.py", ROOT / "hpc" / "rendezvous.py",
+             ROOT / "hpc" / "gpubind.py"]
 ERRORS = set(hpc.errors.__all__)
 
 
@@ -47,15 +50,17 @@ def key_fragment(message: ast.AST) -> str | None:
 
 
 def raised_messages() -> list[tuple[str, int, str]]:
-    """(file, line, fragment) for each typed error raised with a literal message."""
+    """(file, line, fragment) per typed error raised (or returned) with a literal message."""
     out = []
     for path in BOOTSTRAP:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+            exc = (node.exc if isinstance(node, ast.Raise)
+                   else node.value if isinstance(node, ast.Return) else None)
+            if not isinstance(exc, ast.Call):
                 continue
-            name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", ""))
-            if name in ERRORS and node.exc.args:
-                fragment = key_fragment(node.exc.args[0])
+            name = getattr(exc.func, "id", getattr(exc.func, "attr", ""))
+            if name in ERRORS and exc.args:
+                fragment = key_fragment(exc.args[0])
                 if fragment:
                     out.append((str(path.relative_to(ROOT)), node.lineno, fragment))
     return out

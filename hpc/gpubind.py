@@ -1,0 +1,121 @@
+"""One GPU per nccl rank: detect ranks that would share a GPU, before NCCL does.
+
+A task that sees exactly one GPU binds ``cuda:0`` (the ``--gpus-per-task=1`` case). When
+several tasks of a node all see the *same* single GPU (``hpc run --nproc 2`` on a
+one-GPU machine, ``srun --ntasks-per-node=2 --gpus-per-node=1``), each binds it and NCCL
+fails later with "Duplicate GPU detected" or stalls, depending on its version. One
+process cannot tell the two cases apart from its own variables, so every nccl rank
+publishes the UUID of the GPU it bound in the pre-flight store
+(:func:`hpc.rendezvous.preflight`); rank 0 checks for a clash once all ranks joined and
+aborts start-up on every rank with :func:`shared_gpu_error`, naming the ranks, the GPU
+and the fix.
+
+Store keys (under the pre-flight's prefix): ``hpc/pf/gpu/<host>/<uuid>`` counts the
+ranks on a GPU, ``.../<n>`` holds the n-th one's :class:`GpuClaim` as JSON, and
+``hpc/pf/gpu-shared`` names a GPU claimed twice (absent when all is well), so rank 0
+reads one key when nothing is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from hpc.errors import LaunchEnvironmentError
+
+__all__ = ["GpuClaim", "local_claim", "publish", "find_shared", "shared_gpu_error"]
+
+logger = logging.getLogger(__name__)
+
+_SHARED = "hpc/pf/gpu-shared"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuClaim:
+    """The GPU one rank bound: what the error message shows about it."""
+
+    rank: int
+    local_rank: int
+    host: str
+    index: int                  #: ``cuda:<index>`` as this process sees it
+    uuid: str                   #: the physical GPU (``torch.cuda`` device UUID)
+    name: str = ""
+    visible: Optional[str] = None   #: this process's ``CUDA_VISIBLE_DEVICES``
+
+    @property
+    def key(self) -> str:
+        return f"hpc/pf/gpu/{self.host}/{self.uuid}"
+
+
+def local_claim(rank: int, local_rank: int, index: int) -> Optional[GpuClaim]:
+    """The claim of this process on ``cuda:<index>``; None when CUDA gives no identity.
+
+    The UUID names the physical GPU whatever ``CUDA_VISIBLE_DEVICES`` renumbered; a
+    torch without it falls back to the PCI bus id (unique on one host).
+    """
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(index)
+        raw = getattr(props, "uuid", None)  # str() is 8-4-4-4-12 hex (torch >= 2.1)
+        ident = "" if raw is None else str(raw)
+        if " object at " in ident:  # no __str__ in this build: use the raw bytes
+            ident = bytes(raw.bytes).hex()
+        if not ident and hasattr(props, "pci_bus_id"):
+            ident = "pci-" + ":".join(str(getattr(props, f"pci_{k}_id", "?"))
+                                      for k in ("domain", "bus", "device"))
+        name = str(props.name)
+    except Exception as e:  # a broken driver: let NCCL report it
+        logger.debug("no identity for cuda:%d: %s", index, e)
+        return None
+    if not ident:
+        return None
+    return GpuClaim(rank=rank, local_rank=local_rank, host=socket.gethostname(),
+                    index=index, uuid=ident, name=name,
+                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def publish(store: Any, claim: GpuClaim) -> None:
+    """Record ``claim`` in the pre-flight store; flag its GPU when it is taken already.
+
+    Runs before the rank announces itself, so rank 0 sees every claim once all joined.
+    """
+    n = store.add(claim.key, 1)
+    store.set(f"{claim.key}/{n}", json.dumps(dataclasses.asdict(claim)))
+    if n > 1:
+        store.set(_SHARED, claim.key)
+
+
+def find_shared(store: Any) -> Optional[LaunchEnvironmentError]:
+    """On rank 0 after all ranks joined: the error for a GPU claimed twice, else None."""
+    if not store.check([_SHARED]):
+        return None
+    key = store.get(_SHARED).decode()
+    count = store.add(key, 0)
+    claims = [GpuClaim(**json.loads(store.get(f"{key}/{i}").decode()))
+              for i in range(1, count + 1)]
+    return shared_gpu_error(claims)
+
+
+def shared_gpu_error(claims: Sequence[GpuClaim]) -> LaunchEnvironmentError:
+    """The error for ranks ``claims`` that bound one physical GPU (pure)."""
+    claims = sorted(claims, key=lambda c: c.rank)
+    ranks = [str(c.rank) for c in claims[:16]] + (["..."] if len(claims) > 16 else [])
+    shown = ", ".join(ranks[:-1]) + " and " + ranks[-1]
+    first = claims[0]
+    each = "; ".join(f"rank {c.rank}: local rank {c.local_rank}, cuda:{c.index}, "
+                     f"CUDA_VISIBLE_DEVICES={c.visible}" for c in claims[:16])
+    return LaunchEnvironmentError(
+        f"ranks {shown} would share one GPU under nccl: {first.name} ({first.uuid}) on "
+        f"{first.host} ({each}).\n"
+        "NCCL needs a GPU of its own for every rank; more tasks were started on this "
+        "node than it has GPUs, or every task was given the same GPU.\n"
+        "HINT: start one task per GPU (srun --gpus-per-task=1, or --ntasks-per-node "
+        "equal to the GPUs per node; hpc run --nproc at most the GPU count), or pass "
+        "backend='gloo' to hpc.init_torch() to run these ranks on CPU."
+    )

@@ -1,0 +1,89 @@
+"""hpc.gpubind: the shared-GPU message (pure) and the claims in a real (in-process) store."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc.errors import LaunchEnvironmentError
+from hpc.gpubind import GpuClaim, find_shared, publish, shared_gpu_error
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+
+def claim(rank: int, uuid: str = "GPU-aaaa", host: str = "gpu01",
+          visible: str | None = "0") -> GpuClaim:
+    return GpuClaim(rank=rank, local_rank=rank % 4, host=host, index=0, uuid=uuid,
+                    name="NVIDIA H200", visible=visible)
+
+
+def test_message_names_ranks_gpu_and_fix() -> None:
+    err = shared_gpu_error([claim(1), claim(0, visible=None)])
+    assert isinstance(err, LaunchEnvironmentError)
+    first, cause, hint = str(err).splitlines()
+    assert first == (
+        "ranks 0 and 1 would share one GPU under nccl: NVIDIA H200 (GPU-aaaa) on gpu01 "
+        "(rank 0: local rank 0, cuda:0, CUDA_VISIBLE_DEVICES=None; "
+        "rank 1: local rank 1, cuda:0, CUDA_VISIBLE_DEVICES=0).")
+    assert cause.startswith("NCCL needs a GPU of its own for every rank")
+    assert hint.startswith("HINT: ") and "--gpus-per-task=1" in hint
+    assert "--ntasks-per-node" in hint and "backend='gloo'" in hint
+
+
+def test_message_lists_three_and_caps_many() -> None:
+    assert str(shared_gpu_error([claim(r) for r in (2, 0, 1)])).startswith(
+        "ranks 0, 1 and 2 would share")
+    many = str(shared_gpu_error([claim(r) for r in range(20)])).splitlines()[0]
+    assert many.startswith("ranks 0, 1, 2,") and ", 15 and ... would share" in many
+    assert "rank 16:" not in many
+
+
+def test_store_flags_only_a_gpu_claimed_twice() -> None:
+    store = dist.HashStore()
+    publish(store, claim(0, uuid="GPU-a"))
+    publish(store, claim(1, uuid="GPU-b"))
+    publish(store, claim(4, uuid="GPU-a", host="gpu02"))  # same id, other host: fine
+    assert find_shared(store) is None
+    publish(store, claim(2, uuid="GPU-b"))
+    publish(store, claim(3, uuid="GPU-b"))
+    err = find_shared(store)
+    assert err is not None
+    assert str(err).startswith("ranks 1, 2 and 3 would share one GPU under nccl: "
+                               "NVIDIA H200 (GPU-b) on gpu01 (")
+
+
+class _Props:
+    def __init__(self, uuid: object, name: str = "NVIDIA H200") -> None:
+        self.uuid, self.name = uuid, name
+        self.pci_domain_id, self.pci_bus_id, self.pci_device_id = 0, 0x1B, 0
+
+
+class _RawUuid:  # a _CUuuid without __str__
+    bytes = list(range(16))
+
+
+@pytest.mark.parametrize("uuid,ident", [
+    ("8a3c1f2e-0000-1111-2222-333344445555", "8a3c1f2e-0000-1111-2222-333344445555"),
+    (_RawUuid(), bytes(range(16)).hex()),
+    ("", "pci-0:27:0"),
+])
+def test_local_claim_identity(monkeypatch: pytest.MonkeyPatch, uuid: object,
+                              ident: str) -> None:
+    from hpc import gpubind
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(uuid))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    got = gpubind.local_claim(rank=5, local_rank=1, index=0)
+    assert got is not None
+    assert (got.uuid, got.name, got.visible, got.rank, got.local_rank, got.index) == (
+        ident, "NVIDIA H200", "3", 5, 1, 0)
+
+
+def test_local_claim_none_when_cuda_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc import gpubind
+
+    def broken(i: int) -> None:
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", broken)
+    assert gpubind.local_claim(0, 0, 0) is None
