@@ -80,12 +80,12 @@ timeout 120 "$PY" -m hpc run --nproc 1 -- "$PY" -m hpc demo
 rc_demo=$?
 
 step "pytest tests/integration/test_cuda.py"
-timeout 420 "$PY" -m pytest -p no:cacheprovider -v -rs -s --timeout 120 \
+timeout 300 "$PY" -m pytest -p no:cacheprovider -v -rs -s --timeout 120 \
     --junitxml="$OUT/test_cuda.xml" tests/integration/test_cuda.py
 rc_tests=$?
 
 step "bench/gpu_check.py --repeats 3"
-timeout 240 "$PY" bench/gpu_check.py --repeats 3
+timeout 180 "$PY" bench/gpu_check.py --repeats 3
 rc_gpu=$?
 case $rc_gpu in
     0) gpu_verdict="PASS" ;;
