@@ -195,7 +195,9 @@ def _automodule_lines(name: str) -> list[str]:
     return lines + [""]
 
 
-def _exists(name: str) -> bool:
+def module_exists(name: str) -> bool:
+    """True when ``name`` imports; False only when that very module is missing (a
+    missing dependency of an existing module still raises)."""
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -218,7 +220,7 @@ class ApiRestDirective(ApiDirective):
         for page in here.glob("*.rst"):
             for match in _API_LINE.finditer(page.read_text(encoding="utf-8")):
                 if match.group(1) != "hpc-api-rest":
-                    covered.update(public_modules(match.group(2)) if _exists(match.group(2))
+                    covered.update(public_modules(match.group(2)) if module_exists(match.group(2))
                                    else [])
         rest = [m for m in public_modules(self.arguments[0])
                 if m not in covered and m != self.arguments[0]]
@@ -282,7 +284,7 @@ class IfModuleDirective(SphinxDirective):
     has_content = True
 
     def run(self) -> list[nodes.Node]:
-        if not _exists(self.arguments[0]):
+        if not module_exists(self.arguments[0]):
             return []
         container = nodes.container()
         self.state.nested_parse(self.content, self.content_offset, container)
