@@ -314,29 +314,34 @@ def _canonical(target: str) -> str | None:
     return None
 
 
+def _copy(node: Any, **attrs: Any) -> Any:
+    """A copy of the pending reference ``node`` with ``attrs`` set."""
+    copy = node.deepcopy()
+    for key, value in attrs.items():
+        copy[key] = value
+    return copy
+
+
 def resolve_missing(app: Sphinx, env: Any, node: Any, contnode: Any) -> Any:
     """Retry unresolved ``py`` references: canonical name, then a fuzzy lookup."""
     if node.get("refdomain") != "py":
         return None
     domain = env.get_domain("py")
     target = node["reftarget"]
-    typ = node["reftype"]
+
+    def resolve(name: str, **attrs: Any) -> Any:
+        return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], name,
+                                   _copy(node, **attrs), contnode)
+
     if target.startswith("hpc.") and any(p.startswith("_") for p in target.split(".")):
         return contnode  # private (a base class shown by show-inheritance): not documented
     if target.startswith("hpc."):
         canonical = _canonical(target)
-        if canonical:
-            retry = node.deepcopy()
-            retry["reftarget"] = canonical
-            found = domain.resolve_xref(env, node["refdoc"], app.builder, typ, canonical,
-                                        retry, contnode)
-            if found is not None:
-                return found
+        found = resolve(canonical, reftarget=canonical) if canonical else None
+        if found is not None:
+            return found
     if "." not in target and not node.get("refspecific"):
-        retry = node.deepcopy()
-        retry["refspecific"] = True
-        found = domain.resolve_xref(env, node["refdoc"], app.builder, typ, target,
-                                    retry, contnode)
+        found = resolve(target, refspecific=True)
         if found is not None:
             return found
         # A name imported into the docstring's module, e.g. DistributedSampler.
@@ -346,9 +351,7 @@ def resolve_missing(app: Sphinx, env: Any, node: Any, contnode: Any) -> Any:
             if app.config.intersphinx_mapping:
                 from sphinx.ext.intersphinx import missing_reference
 
-                retry = node.deepcopy()
-                retry["reftarget"] = canonical
-                return missing_reference(app, env, retry, contnode)
+                return missing_reference(app, env, _copy(node, reftarget=canonical), contnode)
             return contnode  # offline: external names stay plain text (see conf.py)
     return None
 
