@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -34,32 +35,32 @@ EPILOG = """examples:
 
 def _build(p: argparse.ArgumentParser) -> None:
     d = PretrainConfig()
+    types = typing.get_type_hints(PretrainConfig)
     a = p.add_argument
-    a("--epochs", type=int, default=d.epochs, help=f"epochs (default {d.epochs})")
-    a("--batch-size", type=int, default=d.batch_size,
-      help=f"samples per rank per step (default {d.batch_size})")
-    a("--lr", type=float, default=d.lr, help=f"peak learning rate, cosine to 0 (default {d.lr})")
+
+    def field(flag: str, help: str) -> None:
+        """``--flag`` for the config field of that name: its type, its default, shown."""
+        name = flag[2:].replace("-", "_")
+        default = getattr(d, name)
+        a(flag, type=types[name], default=default, help=f"{help} (default {default})")
+
+    field("--epochs", "epochs")
+    field("--batch-size", "samples per rank per step")
+    field("--lr", "peak learning rate, cosine to 0")
     a("--optimizer", choices=("sgd", "adamw"), default=d.optimizer,
       help=f"optimizer (default {d.optimizer}, Nesterov momentum)")
-    a("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
-    a("--weight-decay", type=float, default=d.weight_decay,
-      help=f"weight decay (default {d.weight_decay})")
-    a("--label-smoothing", type=float, default=d.label_smoothing,
-      help=f"label smoothing (default {d.label_smoothing})")
-    a("--seed", type=int, default=d.seed, help=f"seed of weights, split, order, archs "
-      f"(default {d.seed})")
+    field("--momentum", "SGD momentum")
+    field("--weight-decay", "weight decay")
+    field("--label-smoothing", "label smoothing")
+    field("--seed", "seed of weights, split, order, archs")
     a("--data", default=None, metavar="FILE",
       help="an .npz/.pt file with x_train,y_train,x_val,y_val (default: sklearn digits)")
-    a("--val-fraction", type=float, default=d.val_fraction,
-      help=f"digits held out for validation (default {d.val_fraction})")
-    a("--width", type=int, default=d.width, help=f"supernet channels (default {d.width})")
-    a("--val-archs", type=int, default=d.val_archs,
-      help=f"sub-networks validated per epoch (default {d.val_archs})")
-    a("--val-every", type=int, default=d.val_every,
-      help=f"validate every N epochs, 0 = last only (default {d.val_every})")
-    a("--recal-samples", type=int, default=d.recal_samples,
-      help=f"train images recalibrating BatchNorm per validated sub-net, 0 = off "
-      f"(default {d.recal_samples})")
+    field("--val-fraction", "digits held out for validation")
+    field("--width", "supernet channels")
+    field("--val-archs", "sub-networks validated per epoch")
+    field("--val-every", "validate every N epochs, 0 = last only")
+    field("--recal-samples", "train images recalibrating BatchNorm per validated sub-net, "
+          "0 = off")
     a("--out", default=d.out, metavar="DIR",
       help=f"run directory, written by rank 0 (default {d.out})")
     a("--no-out", dest="out", action="store_const", const=None,
@@ -71,7 +72,7 @@ def _build(p: argparse.ArgumentParser) -> None:
       help="never resume; refuse a DIR that holds checkpoints")
     a("--ckpt-every", type=int, default=d.ckpt_every,
       help="also checkpoint every N steps (default: epoch ends and stops only)")
-    a("--keep", type=int, default=d.keep, help=f"checkpoints kept (default {d.keep})")
+    field("--keep", "checkpoints kept")
     a("--max-steps", type=int, default=None,
       help="stop with a checkpoint after this global step (schedule still spans --epochs)")
     a("--elastic", action="store_true",
