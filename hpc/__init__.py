@@ -5,8 +5,7 @@ Re-exports only; importing ``hpc`` has no side effects and does not import torch
 
 from __future__ import annotations
 
-from typing import Any
-
+from hpc._lazy import lazy_attributes
 from hpc.environments import DistInfo, detect, parse_local_rank
 from hpc.errors import (
     CheckpointError,
@@ -45,17 +44,4 @@ _LAZY = {
     "sync_model": "hpc.sync", "sync_gradients": "hpc.gradsync", "GradSync": "hpc.gradsync",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hpc' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -10,8 +10,7 @@ See ``docs/pretrain.md`` for the search-space protocol, the run directory and re
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hpc._lazy import lazy_attributes
 
 __all__ = [
     "pretrain", "PretrainConfig", "PretrainResult", "StopFlag",
@@ -28,15 +27,4 @@ _LAZY = {
     "load_digits": "hpc.pretrain.data", "load_file": "hpc.pretrain.data",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hpc.pretrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
