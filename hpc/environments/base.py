@@ -14,7 +14,8 @@ from typing import ClassVar, Optional
 
 from hpc.errors import LaunchEnvironmentError
 
-__all__ = ["DistInfo", "Environment", "env_int", "derive_port", "PORT_BASE", "PORT_SPAN"]
+__all__ = ["DistInfo", "Environment", "env_int", "master_port", "derive_port", "PORT_BASE",
+           "PORT_SPAN"]
 
 #: Derived master ports live in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
 #: ephemeral range (32768-60999) so a derived port is never taken by an outgoing socket.
@@ -107,7 +108,7 @@ class DistInfo:
 
 
 class Environment:
-    """One launcher. Subclasses set :attr:`name` and implement the two static methods."""
+    """One launcher. Subclasses set :attr:`name` and implement ``detect`` and ``read``."""
 
     name: ClassVar[str] = ""
     #: The variable holding the global rank, named in inconsistency errors.
@@ -143,6 +144,11 @@ def env_int(environ: Mapping[str, str], key: str, default: Optional[int] = None,
             f"{source or 'launch environment'}: {key}={raw!r} is not an integer.\n"
             f"HINT: fix or unset {key}."
         ) from e
+
+
+def master_port(environ: Mapping[str, str], source: str) -> Optional[int]:
+    """``MASTER_PORT`` when set (:class:`DistInfo` checks the range), else None."""
+    return env_int(environ, "MASTER_PORT", source=source) if environ.get("MASTER_PORT") else None
 
 
 def derive_port(*parts: object) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpc.environments.base import DistInfo, Environment, env_int
+from hpc.environments.base import DistInfo, Environment, master_port
 
 __all__ = ["LocalEnvironment"]
 
@@ -24,9 +24,8 @@ class LocalEnvironment(Environment):
 
     @staticmethod
     def read(environ: Mapping[str, str]) -> DistInfo:
-        port = environ.get("MASTER_PORT")
         return DistInfo(
             launcher="local",
             master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
-            master_port=env_int(environ, "MASTER_PORT", source="local") if port else None,
+            master_port=master_port(environ, "local"),
         )

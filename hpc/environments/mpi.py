@@ -27,88 +27,95 @@ all                              ``MASTER_ADDR``, ``MASTER_PORT`` (optional)
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
-from hpc.environments.base import DistInfo, Environment, env_int
+from hpc.environments.base import DistInfo, Environment, env_int, master_port
 
 __all__ = ["OpenMPIEnvironment", "HydraEnvironment", "MVAPICH2Environment"]
 
 
-def _read(environ: Mapping[str, str], launcher: str, keys: tuple[str, str, str, str],
-          job_key: str = "") -> DistInfo:
-    rank_k, size_k, lrank_k, lsize_k = keys
-    world = env_int(environ, size_k, source=launcher)
-    rank = env_int(environ, rank_k, source=launcher)
-    local_rank = env_int(environ, lrank_k, source=launcher)
-    lws = env_int(environ, lsize_k, source=launcher)
-    # MPI does not export the node index; with the usual block mapping (equal ranks
-    # per node, filled in order) it is rank // local size. A ragged layout still gets
-    # correct ranks; only node_rank is approximate there.
-    num_nodes = env_int(environ, "OMPI_MCA_orte_num_nodes", default=0, source=launcher)
-    if num_nodes <= 0:
-        num_nodes = max(1, -(-world // lws))
-    node_rank = min(rank // lws, num_nodes - 1)
-    port = environ.get("MASTER_PORT")
-    return DistInfo(
-        launcher=launcher,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=lws,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        master_addr=environ.get("MASTER_ADDR") or None,
-        master_port=env_int(environ, "MASTER_PORT", source=launcher) if port else None,
-        job_id=environ.get(job_key) if job_key else None,
-    )
+class _MPIEnvironment(Environment):
+    """An MPI process manager: :attr:`variables` names the variable behind each field
+    (submitit's ``_env`` table) and one reader does the rest."""
+
+    #: DistInfo field -> variable. ``world_size``, ``rank``, ``local_rank`` and
+    #: ``local_world_size`` are required; ``num_nodes`` and ``job_id`` are optional.
+    variables: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str]) -> bool:
+        return cls.variables["world_size"] in environ
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str]) -> DistInfo:
+        var, src = cls.variables, cls.name
+        world = env_int(environ, var["world_size"], source=src)
+        rank = env_int(environ, var["rank"], source=src)
+        local_rank = env_int(environ, var["local_rank"], source=src)
+        lws = env_int(environ, var["local_world_size"], source=src)
+        # MPI does not export the node index; with the usual block mapping (equal ranks
+        # per node, filled in order) it is rank // local size. A ragged layout still gets
+        # correct ranks; only node_rank is approximate there.
+        num_nodes = 0
+        if "num_nodes" in var:
+            num_nodes = env_int(environ, var["num_nodes"], default=0, source=src)
+        if num_nodes <= 0:
+            num_nodes = max(1, -(-world // lws))
+        return DistInfo(
+            launcher=src,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            local_world_size=lws,
+            node_rank=min(rank // lws, num_nodes - 1),
+            num_nodes=num_nodes,
+            master_addr=environ.get("MASTER_ADDR") or None,
+            master_port=master_port(environ, src),
+            job_id=environ.get(var["job_id"]) if "job_id" in var else None,
+        )
 
 
-class OpenMPIEnvironment(Environment):
+class OpenMPIEnvironment(_MPIEnvironment):
     """Open MPI's ``mpirun``/``mpiexec`` (ORTE or PRRTE)."""
 
     name = "openmpi"
-    rank_var = "OMPI_COMM_WORLD_RANK"
-
-    @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
-        return "OMPI_COMM_WORLD_SIZE" in environ
-
-    @staticmethod
-    def read(environ: Mapping[str, str]) -> DistInfo:
-        return _read(environ, "openmpi", (
-            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-        ), job_key="OMPI_MCA_ess_base_jobid")
+    variables = {
+        "world_size": "OMPI_COMM_WORLD_SIZE",
+        "rank": "OMPI_COMM_WORLD_RANK",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "num_nodes": "OMPI_MCA_orte_num_nodes",
+        "job_id": "OMPI_MCA_ess_base_jobid",
+    }
+    rank_var = variables["rank"]
 
 
-class MVAPICH2Environment(Environment):
+class MVAPICH2Environment(_MPIEnvironment):
     """MVAPICH2's ``mpirun_rsh``/``mpiexec``."""
 
     name = "mvapich2"
-    rank_var = "MV2_COMM_WORLD_RANK"
-
-    @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
-        return "MV2_COMM_WORLD_SIZE" in environ
-
-    @staticmethod
-    def read(environ: Mapping[str, str]) -> DistInfo:
-        return _read(environ, "mvapich2", (
-            "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
-            "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
-        ))
+    variables = {
+        "world_size": "MV2_COMM_WORLD_SIZE",
+        "rank": "MV2_COMM_WORLD_RANK",
+        "local_rank": "MV2_COMM_WORLD_LOCAL_RANK",
+        "local_world_size": "MV2_COMM_WORLD_LOCAL_SIZE",
+    }
+    rank_var = variables["rank"]
 
 
-class HydraEnvironment(Environment):
+class HydraEnvironment(_MPIEnvironment):
     """MPICH and Intel MPI ``mpiexec`` (the hydra process manager)."""
 
     name = "mpich"
-    rank_var = "PMI_RANK"
+    variables = {
+        "world_size": "PMI_SIZE",
+        "rank": "PMI_RANK",
+        "local_rank": "MPI_LOCALRANKID",
+        "local_world_size": "MPI_LOCALNRANKS",
+    }
+    rank_var = variables["rank"]
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
+        # PMI_RANK and PMI_SIZE without MPI_LOCALRANKID: srun --mpi=pmi2, read by Slurm.
         return "PMI_RANK" in environ and "PMI_SIZE" in environ and "MPI_LOCALRANKID" in environ
-
-    @staticmethod
-    def read(environ: Mapping[str, str]) -> DistInfo:
-        return _read(environ, "mpich",
-                     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))

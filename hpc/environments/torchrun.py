@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from hpc.environments.base import DistInfo, Environment, env_int
+from hpc.environments.base import DistInfo, Environment, env_int, master_port
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["TorchrunEnvironment", "parse_local_rank"]
@@ -55,7 +55,6 @@ class TorchrunEnvironment(Environment):
         if node_rank < 0:
             node_rank = rank // lws
         num_nodes = nnodes_hint or max(1, world // lws)
-        port = environ.get("MASTER_PORT")
         launcher = "hpc-run" if "HPC_RUN_ID" in environ else "torchrun"
         return DistInfo(
             launcher=launcher,
@@ -66,7 +65,7 @@ class TorchrunEnvironment(Environment):
             node_rank=node_rank,
             num_nodes=num_nodes,
             master_addr=environ.get("MASTER_ADDR") or None,
-            master_port=env_int(environ, "MASTER_PORT", source=src) if port else None,
+            master_port=master_port(environ, src),
             job_id=environ.get("TORCHELASTIC_RUN_ID") or environ.get("HPC_RUN_ID"),
         )
 
