@@ -61,12 +61,18 @@ def test_one_rank_binds_cuda0_with_nccl() -> None:
 @pytest.mark.timeout(150)
 def test_sync_model_and_gradients_on_cuda_tensors_under_gloo() -> None:
     """Two ranks on one GPU with gloo: broadcast/means of CUDA models, mean CUDA grads."""
+    out = _ok(hpc_run(2, [script("sync_model_check.py"), "--device", "cuda:0"],
+                      timeout=120, env=_env()))
+    lines = [line for line in out.splitlines() if "RESULT" in line]
+    assert len(lines) == 2, out
+    # 15 tensors x 4 flag combinations x 3 bucket layouts, each checked on every rank
+    assert all("RESULT ok" in line and "device=cuda:0 checks=180" in line
+               for line in lines), out
     out = _ok(hpc_run(2, [script("cuda_sync.py"), "--device", "cuda:0"], timeout=120,
                       env=_env()))
     lines = [line for line in out.splitlines() if "RESULT" in line]
     assert len(lines) == 2, out
-    assert all("RESULT ok" in line and "device=cuda:0" in line for line in lines), out
-    assert all("sync_model_checks=168" in line and "grad_checks=" in line
+    assert all("RESULT ok" in line and "device=cuda:0" in line and "grad_checks=" in line
                for line in lines), out
 
 

@@ -5,11 +5,15 @@ int64 ``num_batches_tracked``, a float64 and a bool buffer, a float16 layer) dif
 For every flag combination and three layouts (one bucket; many tiny buckets with
 several in flight; most tensors sent alone in place) the originals are all_gathered first and the result is checked:
 broadcast -> rank 0's tensors exactly; reduce -> the mean of the originals (floor mean
-for integers, rank 0's value for bools); and every rank bitwise equal. Prints ``RESULT``.
+for integers, rank 0's value for bools); every rank bitwise equal; and every tensor still
+on its device. Prints ``RESULT``.
+
+Usage: sync_model_check.py [--device cuda:0]   (default cpu; gloo moves CUDA tensors too)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -26,21 +30,23 @@ class Net(nn.Module):
         self.bn = nn.BatchNorm2d(8)
         self.fc = nn.Linear(8, 4)
         self.half = nn.Linear(4, 4).half()
+        self.big = nn.Linear(600, 512)  # 1.2 MB of float32: sent alone, in place
         self.register_buffer("scale64", torch.randn(5, dtype=torch.float64))
         self.register_buffer("flags", torch.rand(6) > 0.5)
 
 
-def build(rank: int) -> Net:
+def build(rank: int, dev: torch.device) -> Net:
     torch.manual_seed(100 + rank)
     net = Net()
     with torch.no_grad():
         net.bn.num_batches_tracked.fill_(3 + 5 * rank)  # floor mean is not trivial
     net.bn(net.conv(torch.randn(4, 3, 6, 6)))  # running stats differ per rank
-    return net
+    return net.to(dev)
 
 
 def gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
-    src = t.detach()
+    """Every rank's copy of ``t``, on the CPU."""
+    src = t.detach().cpu()
     wire = src.to(torch.uint8) if src.dtype == torch.bool else src
     out = [torch.empty_like(wire) for _ in range(ws)]
     dist.all_gather(out, wire.contiguous())
@@ -56,45 +62,58 @@ def expected(origs: list[torch.Tensor], mean: bool) -> torch.Tensor:
     return torch.div(torch.stack(origs).sum(0), len(origs), rounding_mode="floor")
 
 
-def check(rank: int, ws: int, reduce_p: bool, reduce_b: bool, bucket: int,
-          direct: int) -> str:
-    net = build(rank)
+def check(rank: int, ws: int, dev: torch.device, reduce_p: bool, reduce_b: bool,
+          bucket: int, direct: int) -> tuple[str, int]:
+    """An error text ('' when fine) and the number of tensors checked."""
+    net = build(rank, dev)
     named = [(n, t, reduce_p) for n, t in net.named_parameters()]
     named += [(n, t, reduce_b) for n, t in net.named_buffers()]
     origs = {n: gather(t, ws) for n, t, _ in named}
     if torch.equal(origs["fc.weight"][0], origs["fc.weight"][1]):
-        return "setup: ranks started equal, the test would prove nothing"
+        return "setup: ranks started equal, the test would prove nothing", 0
     hpc.sync_model(net, reduce_parameters=reduce_p, reduce_buffers=reduce_b,
                    bucket_bytes=bucket, direct_bytes=direct)
+    checked = 0
     for n, t, mean in named:
+        if t.device != dev:
+            return f"{n} moved to {t.device}", checked
         now = gather(t, ws)
         if not all(torch.equal(x, now[0]) for x in now):
-            return f"{n} differs across ranks"
+            return f"{n} differs across ranks", checked
         want = expected(origs[n], mean)
-        got = t.detach()
+        got = now[rank]
         if got.is_floating_point() and mean:
             tol = 1e-3 if got.dtype == torch.float16 else 1e-6
             ok = torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
         else:
             ok = torch.equal(got, want)
         if not ok:
-            return f"{n} ({got.dtype}) is not the expected {'mean' if mean else 'copy'}"
-    return ""
+            return (f"{n} ({got.dtype}) is not the expected "
+                    f"{'mean' if mean else 'copy'}"), checked
+        checked += 1
+    return "", checked
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    dev = torch.device(ap.parse_args().device)
     info = hpc.init_torch(backend="gloo")
+    checks = 0
     for reduce_p in (False, True):
         for reduce_b in (False, True):
             for bucket, direct in ((25 << 20, 1 << 20), (96, 1 << 30), (96, 64)):
-                err = check(info.rank, info.world_size, reduce_p, reduce_b, bucket, direct)
+                err, n = check(info.rank, info.world_size, dev, reduce_p, reduce_b,
+                               bucket, direct)
+                checks += n
                 if err:
                     print(f"RESULT FAIL reduce_parameters={reduce_p} "
                           f"reduce_buffers={reduce_b} bucket_bytes={bucket} "
                           f"direct_bytes={direct}: {err}",
                           flush=True)
                     return 1
-    print(f"RESULT ok rank={info.rank} ws={info.world_size}", flush=True)
+    print(f"RESULT ok rank={info.rank} ws={info.world_size} device={dev} checks={checks}",
+          flush=True)
     return 0
 
 
