@@ -42,6 +42,10 @@ class _MPIEnvironment(Environment):
     #: ``local_world_size`` are required; ``num_nodes`` and ``job_id`` are optional.
     variables: ClassVar[Mapping[str, str]] = {}
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.rank_var = cls.variables["rank"]  # named in cross-launcher rank errors
+
     @classmethod
     def detect(cls, environ: Mapping[str, str]) -> bool:
         return cls.variables["world_size"] in environ
@@ -87,7 +91,6 @@ class OpenMPIEnvironment(_MPIEnvironment):
         "num_nodes": "OMPI_MCA_orte_num_nodes",
         "job_id": "OMPI_MCA_ess_base_jobid",
     }
-    rank_var = variables["rank"]
 
 
 class MVAPICH2Environment(_MPIEnvironment):
@@ -100,7 +103,6 @@ class MVAPICH2Environment(_MPIEnvironment):
         "local_rank": "MV2_COMM_WORLD_LOCAL_RANK",
         "local_world_size": "MV2_COMM_WORLD_LOCAL_SIZE",
     }
-    rank_var = variables["rank"]
 
 
 class HydraEnvironment(_MPIEnvironment):
@@ -113,7 +115,6 @@ class HydraEnvironment(_MPIEnvironment):
         "local_rank": "MPI_LOCALRANKID",
         "local_world_size": "MPI_LOCALNRANKS",
     }
-    rank_var = variables["rank"]
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
