@@ -124,19 +124,13 @@ class _Pool:
 
 
 def _pack(b: _Bucket, flat: torch.Tensor) -> None:
-    off = 0
-    for t in b.tensors:
-        n = t.numel()
-        flat[off:off + n].view(t.shape).copy_(t)
-        off += n
+    # Two C++ calls instead of a Python loop over the tensors (ResNet-50's 291 small
+    # tensors: ~4 ms of per-tensor slicing and copy_ calls on a 2-core host).
+    torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(flat, b.tensors), b.tensors)
 
 
 def _unpack(b: _Bucket, flat: torch.Tensor) -> None:
-    off = 0
-    for t in b.tensors:
-        n = t.numel()
-        t.copy_(flat[off:off + n].view(t.shape))
-        off += n
+    torch._foreach_copy_(b.tensors, torch._C._nn.unflatten_dense_tensors(flat, b.tensors))
 
 
 def _finish(b: _Bucket, flat: torch.Tensor, rank: int, src: int, ws: int) -> None:
