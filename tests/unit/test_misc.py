@@ -16,7 +16,7 @@ from hpc.environments import detect, parse_local_rank
 from hpc.environments.base import PORT_BASE, PORT_SPAN, DistInfo, derive_port
 from hpc.environments.slurm import slurm_port
 from hpc.errors import LaunchEnvironmentError, MasterAddressError
-from hpc.launch import rank_env
+from hpc.launch import loopback_interface, rank_env
 from hpc.rendezvous import launcher_pid, resolve_master
 from tests.unit.envdumps import load, parse_header
 
@@ -252,6 +252,19 @@ def test_rank_env_keeps_user_threads_and_reads_os_environ(
     assert rank_env(0, 2, 1, "r", base={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
     monkeypatch.setenv("HPC_TEST_MARKER", "yes")
     assert rank_env(0, 2, 1, "r")["HPC_TEST_MARKER"] == "yes"
+
+
+def test_rank_env_keeps_gloo_on_loopback_with_two_lanes() -> None:
+    assert rank_env(0, 2, 1, "r", base={}, loopback="lo")["GLOO_SOCKET_IFNAME"] == "lo,lo"
+    user = {"GLOO_SOCKET_IFNAME": "eth0"}
+    assert rank_env(0, 2, 1, "r", base=user, loopback="lo")["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert "GLOO_SOCKET_IFNAME" not in rank_env(0, 2, 1, "r", base={})
+
+
+def test_loopback_interface_exists_on_linux() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the loopback interface is called lo on Linux only")
+    assert loopback_interface() == "lo"
 
 
 def test_rank_env_inside_slurm_is_not_an_inconsistency() -> None:
