@@ -8,6 +8,8 @@ each, round-robin in one run, median over ``--repeats``:
   transport limit: no packing, one collective);
 * ``per-tensor`` one ``broadcast`` per parameter/buffer, in place;
 * ``sync_model`` ``hpc.sync_model(model)`` (check, bucket, pack on the master, copy out);
+* ``sync_model(no check)`` the same with ``check=False``: the share of the agreement
+  check (one ``all_gather`` round trip), which dominates for small models;
 * ``sync_model(reduce)`` ``reduce_parameters=True, reduce_buffers=True`` (all_reduce;
   compare with ``flat allreduce``).
 
@@ -15,6 +17,9 @@ Run (one table per model on rank 0)::
 
     flock /tmp/hpc-heavy.lock hpc run --nproc 2 -- python bench/sync_model.py
     flock /tmp/hpc-heavy.lock hpc run --nproc 4 -- python bench/sync_model.py
+
+``hpc run`` gives gloo two loopback connections (``GLOO_SOCKET_IFNAME=lo,lo``); prefix
+``GLOO_SOCKET_IFNAME=lo`` to measure with one.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ def bench(name: str, model: nn.Module, repeats: int, rank: int, ws: int) -> None
         "flat broadcast": lambda: dist.broadcast(flat, 0),
         "per-tensor broadcast": per_tensor,
         "sync_model": lambda: hpc.sync_model(model),
+        "sync_model(no check)": lambda: hpc.sync_model(model, check=False),
         "flat allreduce": lambda: dist.all_reduce(flat),
         "sync_model(reduce)": lambda: hpc.sync_model(model, reduce_parameters=True,
                                                      reduce_buffers=True),
@@ -90,7 +96,8 @@ def bench(name: str, model: nn.Module, repeats: int, rank: int, ws: int) -> None
     if rank == 0:
         nparams = sum(p.numel() for p in model.parameters())
         print(f"\n{name}: {nparams / 1e6:.1f}M params, {len(tensors)} tensors, "
-              f"{nbytes / 2**20:.1f} MiB, world size {ws}, median of {repeats}")
+              f"{nbytes / 2**20:.1f} MiB, world size {ws}, median of {repeats}, "
+              f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '(unset)')}")
         print(f"{'mode':<22} {'ms':>8} {'GB/s':>6} {'vs flat':>8}")
         for mode, ts in times.items():
             t = statistics.median(ts)
