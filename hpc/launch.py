@@ -53,7 +53,7 @@ def rank_env(rank: int, nproc: int, port: int, run_id: str,
     """The environment of local rank ``rank`` of ``nproc`` (pure, for tests).
 
     ``loopback`` names the loopback interface: unless ``GLOO_SOCKET_IFNAME`` is set,
-    gloo then talks over it only, on :data:`LOOPBACK_GLOO_LANES` connections.
+    gloo then talks over it only, on ``LOOPBACK_GLOO_LANES`` connections.
     """
     env = dict(os.environ if base is None else base)
     env.update({

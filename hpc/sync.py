@@ -88,7 +88,7 @@ def _buckets(tensors: Sequence[tuple[torch.Tensor, str]], group: Optional[Any],
     """Large contiguous tensors alone (in place), the rest packed by (device, dtype, op).
 
     With no large tensor to keep the link busy, the packed bytes are cut into at least
-    :data:`_MIN_PIPELINE` buckets (not below :data:`_MIN_BUCKET_BYTES`) so packing,
+    ``_MIN_PIPELINE`` buckets (not below ``_MIN_BUCKET_BYTES``) so packing,
     the transfer and copying out overlap.
     """
     done: list[_Bucket] = []
