@@ -141,9 +141,9 @@ def bench(batch: int, args: argparse.Namespace, info: hpc.DistInfo) -> dict[str,
               f"{args.repeats}x{args.steps} steps, median")
         print(f"{'mode':<10} {'steps/s':>8} {'vs ddp':>7} {'vs nosync':>9}")
         for mode in args.modes:
-            rel = rates[mode] / rates["ddp"] if "ddp" in rates else float("nan")
-            ceil = rates[mode] / rates["nosync"] if "nosync" in rates else float("nan")
-            print(f"{mode:<10} {rates[mode]:8.2f} {rel:7.2f} {ceil:9.2f}")
+            rel = f"{rates[mode] / rates['ddp']:.2f}" if "ddp" in rates else "-"
+            ceil = f"{rates[mode] / rates['nosync']:.2f}" if "nosync" in rates else "-"
+            print(f"{mode:<10} {rates[mode]:8.2f} {rel:>7} {ceil:>9}")
         sys.stdout.flush()
     return rates
 
