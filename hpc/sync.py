@@ -17,7 +17,7 @@ How (see ``docs/sync.md``):
   of the int64 sum (``sum // world_size``); bool tensors are always broadcast from the
   master (there is no mean of booleans); float16/bfloat16 are averaged in float32;
 * CPU tensors under nccl are staged through the current CUDA device;
-* before anything moves, one ``all_gather`` of a hash checks that every rank holds the
+* before anything moves, one ``all_reduce`` of a hash checks that every rank holds the
   same tensor list; a mismatch raises :class:`~hpc.errors.ModelMismatchError` on every
   rank naming the first differing tensor, never a hang;
 * nothing happens when torch.distributed is not initialised or has one rank.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hpc._collective import mismatch_message, signature
+from hpc._collective import (_digest, agreement_vector, all_agree, mismatch_message,
+                              signature)
 from hpc._gradplan import Arena, make_plan
 
 F32 = (torch.device("cpu"), torch.float32)
@@ -86,3 +87,23 @@ def test_mismatch_message_names_first_difference_and_ranks() -> None:
     assert "rank 3: nothing (1 tensors in all)" in msg
     assert "ranks [1] agree with rank 0" in msg
     assert "HINT:" in msg
+
+
+def _max_reduce(vectors: list[list[int]]) -> list[int]:
+    """What ``all_reduce(MAX)`` returns on every rank."""
+    return [max(col) for col in zip(*vectors)]
+
+
+def test_agreement_check_detects_any_differing_rank() -> None:
+    a = signature([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
+    b = signature([("w", torch.zeros(2, 3)), ("b", torch.zeros(4))])
+    c = signature([("w", torch.zeros(2, 3))])
+    vec = {k: agreement_vector(_digest(s), len(s)) for k, s in (("a", a), ("b", b), ("c", c))}
+    assert all(d >= 0 for v in vec.values() for d in v[::2])  # negation cannot overflow
+    assert all_agree(_max_reduce([vec["a"]] * 4))
+    for odd in ("b", "c"):
+        for pos in range(4):
+            ranks = [vec["a"]] * 4
+            ranks[pos] = vec[odd]
+            assert not all_agree(_max_reduce(ranks)), (odd, pos)
+    assert not all_agree(_max_reduce([vec["a"], vec["b"], vec["c"]]))
