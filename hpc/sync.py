@@ -143,14 +143,25 @@ class _Pool:
         self.free.setdefault((buf.device, buf.dtype), []).append(base)
 
 
+def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one C++ call where torch has ``_foreach_copy_``
+    (2.1+; it falls back to per-tensor copies across devices or dtypes by itself)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(list(dst), list(src))
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
 def _pack(b: _Bucket, flat: torch.Tensor) -> None:
     # Two C++ calls instead of a Python loop over the tensors (ResNet-50's 291 small
     # tensors: ~4 ms of per-tensor slicing and copy_ calls on a 2-core host).
-    torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(flat, b.tensors), b.tensors)
+    _copy_all(torch._C._nn.unflatten_dense_tensors(flat, b.tensors), b.tensors)
 
 
 def _unpack(b: _Bucket, flat: torch.Tensor) -> None:
-    torch._foreach_copy_(b.tensors, torch._C._nn.unflatten_dense_tensors(flat, b.tensors))
+    _copy_all(b.tensors, torch._C._nn.unflatten_dense_tensors(flat, b.tensors))
 
 
 def _finish(b: _Bucket, flat: torch.Tensor, rank: int, src: int, ws: int) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hpc._collective import (_digest, agreement_vector, all_agree, mismatch_message,
                               signature)
 from hpc._gradplan import Arena, make_plan
+from hpc.sync import _Bucket, _pack, _unpack
 
 F32 = (torch.device("cpu"), torch.float32)
 F64 = (torch.device("cpu"), torch.float64)
@@ -107,3 +109,20 @@ def test_agreement_check_detects_any_differing_rank() -> None:
             ranks[pos] = vec[odd]
             assert not all_agree(_max_reduce(ranks)), (odd, pos)
     assert not all_agree(_max_reduce([vec["a"], vec["b"], vec["c"]]))
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_bucket_pack_and_copy_out_round_trip(foreach: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """sync_model's packing: mixed dtypes, a non-contiguous tensor, a 0-d bool."""
+    if not foreach:  # torch without _foreach_copy_: the per-tensor fallback
+        monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
+    src = [torch.randn(3, 4), torch.randn(5).half(), torch.randn(2, 3).t(),
+           torch.tensor(True), torch.tensor(7)]
+    numel = sum(t.numel() for t in src)
+    flat = torch.empty(numel)
+    _pack(_Bucket("broadcast", torch.device("cpu"), torch.float32, src, numel), flat)
+    dst = [torch.zeros_like(t) for t in src]
+    _unpack(_Bucket("broadcast", torch.device("cpu"), torch.float32, dst, numel), flat)
+    assert [d.dtype for d in dst] == [s.dtype for s in src]
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))

@@ -2,7 +2,8 @@
 
 Each rank seeds differently, so parameters and buffers (BatchNorm running stats and its
 int64 ``num_batches_tracked``, a float64 and a bool buffer, a float16 layer) differ.
-For every flag combination and three layouts (one bucket; many tiny buckets with
+For every flag combination and four layouts (one bucket beside the in-place large
+layer; all packed, which cuts them into at least two buckets; many tiny buckets with
 several in flight; most tensors sent alone in place) the originals are all_gathered first and the result is checked:
 broadcast -> rank 0's tensors exactly; reduce -> the mean of the originals (floor mean
 for integers, rank 0's value for bools); every rank bitwise equal; and every tensor still
@@ -102,7 +103,8 @@ def main() -> int:
     checks = 0
     for reduce_p in (False, True):
         for reduce_b in (False, True):
-            for bucket, direct in ((25 << 20, 1 << 20), (96, 1 << 30), (96, 64)):
+            layouts = ((25 << 20, 1 << 20), (25 << 20, 1 << 30), (96, 1 << 30), (96, 64))
+            for bucket, direct in layouts:
                 err, n = check(info.rank, info.world_size, dev, reduce_p, reduce_b,
                                bucket, direct)
                 checks += n
