@@ -9,7 +9,7 @@ each, round-robin in one run, median over ``--repeats``:
 * ``per-tensor`` one ``broadcast`` per parameter/buffer, in place;
 * ``sync_model`` ``hpc.sync_model(model)`` (check, bucket, pack on the master, copy out);
 * ``sync_model(no check)`` the same with ``check=False``: the share of the agreement
-  check (one ``all_gather`` round trip), which dominates for small models;
+  check (one ``all_reduce`` round trip), which dominates for small models;
 * ``sync_model(reduce)`` ``reduce_parameters=True, reduce_buffers=True`` (all_reduce;
   compare with ``flat allreduce``).
 

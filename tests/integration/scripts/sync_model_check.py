@@ -36,6 +36,11 @@ class Net(nn.Module):
         self.register_buffer("flags", torch.rand(6) > 0.5)
 
 
+#: (bucket_bytes, direct_bytes): one bucket beside the in-place large layer; all packed
+#: (cut into at least two buckets); many tiny buckets; most tensors alone in place.
+LAYOUTS = ((25 << 20, 1 << 20), (25 << 20, 1 << 30), (96, 1 << 30), (96, 64))
+
+
 def build(rank: int, dev: torch.device) -> Net:
     torch.manual_seed(100 + rank)
     net = Net()
@@ -103,8 +108,7 @@ def main() -> int:
     checks = 0
     for reduce_p in (False, True):
         for reduce_b in (False, True):
-            layouts = ((25 << 20, 1 << 20), (25 << 20, 1 << 30), (96, 1 << 30), (96, 64))
-            for bucket, direct in layouts:
+            for bucket, direct in LAYOUTS:
                 err, n = check(info.rank, info.world_size, dev, reduce_p, reduce_b,
                                bucket, direct)
                 checks += n
