@@ -33,15 +33,15 @@ __all__ = [
 
 # Names served lazily so that `import hpc` (and `hpc run`) never imports torch.
 _LAZY = {
-    "init_torch": "hpc.distributed", "teardown": "hpc.distributed",
-    "export_env": "hpc.distributed", "info": "hpc.distributed", "device": "hpc.distributed",
-    "is_dist": "hpc.distributed", "get_rank": "hpc.distributed",
-    "get_local_rank": "hpc.distributed", "get_world_size": "hpc.distributed",
-    "get_local_world_size": "hpc.distributed", "get_node_rank": "hpc.distributed",
-    "is_master": "hpc.distributed", "is_local_master": "hpc.distributed",
-    "master_only": "hpc.distributed", "barrier": "hpc.distributed",
-    "seed_everything": "hpc.distributed", "setup_logging": "hpc.log",
-    "sync_model": "hpc.sync", "sync_gradients": "hpc.gradsync", "GradSync": "hpc.gradsync",
+    "init_torch": "hpc.bootstrap.distributed", "teardown": "hpc.bootstrap.distributed",
+    "export_env": "hpc.bootstrap.distributed", "info": "hpc.bootstrap.distributed", "device": "hpc.bootstrap.distributed",
+    "is_dist": "hpc.bootstrap.distributed", "get_rank": "hpc.bootstrap.distributed",
+    "get_local_rank": "hpc.bootstrap.distributed", "get_world_size": "hpc.bootstrap.distributed",
+    "get_local_world_size": "hpc.bootstrap.distributed", "get_node_rank": "hpc.bootstrap.distributed",
+    "is_master": "hpc.bootstrap.distributed", "is_local_master": "hpc.bootstrap.distributed",
+    "master_only": "hpc.bootstrap.distributed", "barrier": "hpc.bootstrap.distributed",
+    "seed_everything": "hpc.bootstrap.distributed", "setup_logging": "hpc.log",
+    "sync_model": "hpc.sync.model", "sync_gradients": "hpc.sync.grads", "GradSync": "hpc.sync.grads",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -2,6 +2,6 @@
 
 import sys
 
-from hpc.cli import main
+from hpc.cli.main import main
 
 sys.exit(main())

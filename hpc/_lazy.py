@@ -4,7 +4,7 @@
 keeps ``import hpc`` (and ``hpc --help``) free of torch. In the package::
 
     __all__ = ["init_torch", ...]
-    __getattr__, __dir__ = lazy_attributes(__name__, {"init_torch": "hpc.distributed"},
+    __getattr__, __dir__ = lazy_attributes(__name__, {"init_torch": "hpc.bootstrap.distributed"},
                                            __all__)
 """
 

@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Sequence
 from typing import IO, Optional
 
-from hpc.failure import read_mark
-from hpc.rendezvous import free_port
+from hpc.bootstrap.failure import read_mark
+from hpc.bootstrap.preflight import free_port
 
 __all__ = ["run", "rank_env"]
 

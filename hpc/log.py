@@ -47,7 +47,7 @@ def setup_logging(info: Optional[DistInfo] = None, level: int = logging.INFO,
     Calling it again replaces the handlers it added before.
     """
     if info is None:
-        from hpc.distributed import info as current
+        from hpc.bootstrap.distributed import info as current
 
         info = current()
     root = logging.getLogger(logger_name)

@@ -23,7 +23,7 @@
     (pages and modules that other work adds later: ``sync``, ``hpc.submit``...).
 
 A ``missing-reference`` handler resolves ``hpc.init_torch``-style references to the
-object's defining module (``hpc.distributed.init_torch``) and short names such as
+object's defining module (``hpc.bootstrap.distributed.init_torch``) and short names such as
 ``DistInfo`` written in docstrings of other modules (a fuzzy lookup, as a leading ``.``
 would do). Private ``hpc._x`` names (e.g. a private base class) stay plain text; anything
 else still unresolved stays a nitpicky warning.
@@ -292,7 +292,7 @@ class IfModuleDirective(SphinxDirective):
 
 
 def _canonical(target: str) -> str | None:
-    """``hpc.init_torch`` -> ``hpc.distributed.init_torch`` (importing the object)."""
+    """``hpc.init_torch`` -> ``hpc.bootstrap.distributed.init_torch`` (importing the object)."""
     parts = target.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         try:

@@ -7,7 +7,7 @@ cleanly at a checkpoint, 1 on a configuration/checkpoint error (same on every ra
 The warning signal (``HPC_PREEMPT_SIGNAL``, default USR2; ``#SBATCH --signal=USR2@120``)
 stops every rank at the same step with a checkpoint; in a Slurm batch job the master then
 runs ``scontrol requeue`` (budget ``HPC_MAX_REQUEUES``) and every rank exits with 75, or
-1 when the job could not be requeued (see :mod:`hpc.preempt`).
+1 when the job could not be requeued (see :mod:`hpc.submit.preempt`).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 def main(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
     from hpc.errors import HPCError
-    from hpc.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
+    from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
 
     try:  # first: the warning signal must not kill a rank that is still importing torch
         guard = PreemptGuard().install()

@@ -42,7 +42,7 @@ def test_import_has_no_side_effects() -> None:
     code = ("import logging, sys; import hpc; "
             "assert 'torch' not in sys.modules, 'hpc imported torch'; "
             "assert not logging.getLogger().handlers, 'hpc added handlers'; "
-            "import hpc.environments, hpc.launch, hpc.cli; "
+            "import hpc.environments, hpc.launch, hpc.cli.main; "
             "assert 'torch' not in sys.modules; print('clean')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=clean_env(), cwd=ROOT)

@@ -3,7 +3,7 @@
 Every job is 2 nodes x 2 tasks (``--gpus-per-node 2``, fake GPUs, gloo on CPU) running a
 tiny pretrain (2 epochs x 11 steps, checkpoint every 3 steps). One uninterrupted run is
 the reference; preempted runs must end with bitwise-identical weights and a metrics.csv
-holding each step exactly once. ``HPC_TEST_STEP_SLEEP`` (test-only, see hpc.preempt)
+holding each step exactly once. ``HPC_TEST_STEP_SLEEP`` (test-only, see hpc.submit.preempt)
 slows the first run of a job so a signal lands mid-run; sleeping does not change the math.
 
 Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_submit.py``
@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - submitit is in the test extra
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from hpc import jobwatch  # noqa: E402
+from hpc.submit import watch as jobwatch  # noqa: E402
 from hpc.errors import SubmitError  # noqa: E402
 from hpc.pretrain import PretrainConfig  # noqa: E402
 from hpc.pretrain.checkpoint import load_latest  # noqa: E402

@@ -1,8 +1,8 @@
 """Every error the bootstrap raises is on the troubleshooting page.
 
 For each ``raise SomeHPCError(<message>)`` (or ``return SomeHPCError(<message>)``, an
-error built for the caller to raise) in ``hpc/environments/``, ``hpc/distributed.py``,
-``hpc/rendezvous.py`` and ``hpc/gpubind.py``, the longest literal piece of the message's
+error built for the caller to raise) in ``hpc/environments/`` and
+``hpc/bootstrap/``, the longest literal piece of the message's
 first line (the text between ``{placeholders}``) must appear in
 ``docs/troubleshooting.md``. Rewording an error, or adding one, therefore means updating
 that page.
@@ -18,8 +18,7 @@ import hpc.errors
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "troubleshooting.md"
 BOOTSTRAP = [*sorted((ROOT / "hpc" / "environments").glob("*.py")),
-             ROOT / "hpc" / "distributed.py", ROOT / "hpc" / "rendezvous.py",
-             ROOT / "hpc" / "gpubind.py"]
+             *sorted((ROOT / "hpc" / "bootstrap").glob("*.py"))]
 ERRORS = set(hpc.errors.__all__)
 
 

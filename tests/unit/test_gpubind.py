@@ -1,11 +1,11 @@
-"""hpc.gpubind: the shared-GPU message (pure) and the claims in a real (in-process) store."""
+"""hpc.bootstrap.gpubind: the shared-GPU message (pure) and the claims in a real (in-process) store."""
 
 from __future__ import annotations
 
 import pytest
 
 from hpc.errors import LaunchEnvironmentError
-from hpc.gpubind import GpuClaim, find_shared, publish, shared_gpu_error
+from hpc.bootstrap.gpubind import GpuClaim, find_shared, publish, shared_gpu_error
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -69,7 +69,7 @@ class _RawUuid:  # a _CUuuid without __str__
 ])
 def test_local_claim_identity(monkeypatch: pytest.MonkeyPatch, uuid: object,
                               ident: str) -> None:
-    from hpc import gpubind
+    from hpc.bootstrap import gpubind
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(uuid))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
@@ -80,7 +80,7 @@ def test_local_claim_identity(monkeypatch: pytest.MonkeyPatch, uuid: object,
 
 
 def test_local_claim_none_when_cuda_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpc import gpubind
+    from hpc.bootstrap import gpubind
 
     def broken(i: int) -> None:
         raise RuntimeError("CUDA driver initialization failed")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc._collective import (_digest, agreement_vector, all_agree, mismatch_message,
+from hpc.sync._collective import (_digest, agreement_vector, all_agree, mismatch_message,
                               signature)
-from hpc._gradplan import Arena, make_plan
-from hpc.sync import _Bucket, _pack, _unpack
+from hpc.sync._plan import Arena, make_plan
+from hpc.sync.model import _Bucket, _pack, _unpack
 
 F32 = (torch.device("cpu"), torch.float32)
 F64 = (torch.device("cpu"), torch.float64)

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from hpc.cli_env import find_mismatches
-from hpc.distributed import export_env
+from hpc.cli.env import find_mismatches
+from hpc.bootstrap.distributed import export_env
 from hpc.environments import detect, parse_local_rank
 from hpc.environments.base import PORT_BASE, PORT_SPAN, DistInfo, derive_port
 from hpc.environments.slurm import slurm_port
 from hpc.errors import LaunchEnvironmentError, MasterAddressError
 from hpc.launch import loopback_interface, rank_env
-from hpc.rendezvous import launcher_pid, resolve_master
+from hpc.bootstrap.preflight import launcher_pid, resolve_master
 from tests.unit.envdumps import load, parse_header
 
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",

@@ -1,4 +1,4 @@
-"""hpc.preempt, hpc.submit, hpc.submit_cli and hpc.jobwatch without running a job.
+"""hpc.submit.preempt, hpc.submit, hpc.submit.cli and hpc.submit.watch without running a job.
 
 Real signals are sent to this process; ``scontrol``/``sbatch``/submitit are used where
 installed (the sbatch script submitit would submit is rendered, not submitted).
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc import jobwatch, preempt
+from hpc.submit import watch as jobwatch
+from hpc.submit import preempt
 from hpc.errors import SubmitError
 from hpc.submit import SubmitOptions, make_executor, parse_sbatch
-from hpc.submit_cli import parse_time, split_target
+from hpc.submit.cli import parse_time, split_target
 from tests.helpers import ROOT
 
 
@@ -205,7 +206,7 @@ def test_cli_rejects_unknown_options_listing_valid_ones() -> None:
 
 
 def test_cli_modules_import_neither_torch_nor_submitit() -> None:
-    code = ("import sys, hpc.cli; hpc.cli.build_parser(); import hpc.submit, hpc.jobwatch;"
+    code = ("import sys, hpc.cli.main; hpc.cli.main.build_parser(); import hpc.submit, hpc.submit.watch;"
             "print(sorted(m for m in ('torch', 'submitit') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=ROOT).stdout.strip()

@@ -1,6 +1,6 @@
 """The pre-flight's one-GPU-per-rank check with made-up GPU identities (runs on CPU).
 
-Every rank joins the real pre-flight store with a :class:`hpc.gpubind.GpuClaim`:
+Every rank joins the real pre-flight store with a :class:`hpc.bootstrap.gpubind.GpuClaim`:
 ``--same`` claims one GPU on every rank (the one-GPU machine under ``hpc run --nproc 2``),
 ``--distinct`` one GPU per rank. Prints ``RESULT ok`` when the pre-flight passed,
 ``RESULT raised <type>`` (exit 3) when it refused.
@@ -15,10 +15,10 @@ import socket
 import sys
 from datetime import timedelta
 
-from hpc import rendezvous
+from hpc.bootstrap import preflight as rendezvous
 from hpc.environments import detect
 from hpc.errors import HPCError
-from hpc.gpubind import GpuClaim
+from hpc.bootstrap.gpubind import GpuClaim
 
 
 def main() -> int:

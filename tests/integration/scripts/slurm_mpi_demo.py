@@ -11,7 +11,7 @@ import sys
 from mpi4py import MPI
 
 import hpc
-from hpc.demo import main
+from hpc.cli.demo import main
 
 MARKERS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MPI_LOCALRANKID")
 

@@ -6,7 +6,7 @@ one-GPU machine, ``srun --ntasks-per-node=2 --gpus-per-node=1``), each binds it 
 fails later with "Duplicate GPU detected" or stalls, depending on its version. One
 process cannot tell the two cases apart from its own variables, so every nccl rank
 publishes the UUID of the GPU it bound in the pre-flight store
-(:func:`hpc.rendezvous.preflight`); rank 0 checks for a clash once all ranks joined and
+(:func:`hpc.bootstrap.preflight.preflight`); rank 0 checks for a clash once all ranks joined and
 aborts start-up on every rank with :func:`shared_gpu_error`, naming the ranks, the GPU
 and the fix.
 

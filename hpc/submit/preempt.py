@@ -29,7 +29,7 @@ before the time limit; ``scancel --signal=USR2 ID`` sends it by hand; with
 ``SUBMITIT_PREEMPT_SIGNAL``         set by ``hpc submit`` to the same signal, so submitit's
                                     own handler (active until the guard replaces it) agrees
 ``SUBMITIT_FOLDER``                 set by submitit in its jobs: the resubmission is written
-                                    there (:mod:`hpc.jobs`)
+                                    there (:mod:`hpc.submit.payload`)
 ``HPC_TEST_STEP_SLEEP``             test-only: seconds slept per step (each poll), so
                                     cluster tests can signal a run mid-way
 ``HPC_TEST_SLEEP_RUNS``             test-only: sleep only in the first N runs of the job

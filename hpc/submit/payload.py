@@ -9,7 +9,7 @@ All callables are ``submitit.helpers.Checkpointable``: their ``checkpoint()`` re
 the resubmission that resumes (``None`` once the requeue budget ``HPC_MAX_REQUEUES`` is
 used up, which makes submitit give up instead of requeueing).
 
-- :class:`PretrainJob` does the agreed stop itself (:mod:`hpc.preempt`): its guard
+- :class:`PretrainJob` does the agreed stop itself (:mod:`hpc.submit.preempt`): its guard
   replaces submitit's signal handler; after the checkpoint of the agreed step the master
   writes ``checkpoint()``'s resubmission over the job's submission pickle and runs
   ``scontrol requeue``; every rank then exits with 75, leaving no result, and the
@@ -38,7 +38,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from hpc.errors import SubmitError
 from hpc.pretrain.config import PretrainConfig
-from hpc.preempt import (EXIT_REQUEUED, PreemptGuard, read_budget, requeue_after_stop,
+from hpc.submit.preempt import (EXIT_REQUEUED, PreemptGuard, read_budget, requeue_after_stop,
                          stopped_by_request)
 
 __all__ = ["PretrainJob", "ModuleJob", "FunctionJob", "resolve_function"]

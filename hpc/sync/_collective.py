@@ -1,4 +1,4 @@
-"""Helpers shared by :mod:`hpc.sync` and :mod:`hpc.gradsync`.
+"""Helpers shared by :mod:`hpc.sync.model` and :mod:`hpc.sync.grads`.
 
 * :func:`active_world` says whether collectives are needed at all (no-op otherwise).
 * :func:`check_same_tensors` verifies, with one ``all_reduce(MAX)`` of four int64 (a

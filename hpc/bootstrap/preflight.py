@@ -8,7 +8,7 @@ The pre-flight turns the two classic silent hangs into errors within seconds:
 * a missing rank (``--ntasks`` vs ``--ntasks-per-node``, a dead process): rank 0 waits
   for every rank's key in its store and reports exactly which ranks never came.
 
-It also stops nccl ranks that would share one GPU (see :mod:`hpc.gpubind`) before NCCL
+It also stops nccl ranks that would share one GPU (see :mod:`hpc.bootstrap.gpubind`) before NCCL
 fails on them with "Duplicate GPU detected" or stalls.
 
 Non-master ranks only open the torch store once rank 0's port accepts connections, so
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
-from hpc import gpubind
+from hpc.bootstrap import gpubind
 from hpc.environments import DistInfo
 from hpc.environments.base import derive_port
 from hpc.errors import LaunchEnvironmentError, MasterAddressError, RendezvousError

@@ -18,7 +18,7 @@ Shell::
 One task per GPU (``--gpus-per-node``); with ``--gpus-per-node 0`` give
 ``--tasks-per-node``. Jobs get the warning signal ``--signal`` (default USR2)
 ``--signal-delay`` seconds before the time limit, ``--requeue``, append-mode logs and
-``srun --kill-on-bad-exit=1``; see :mod:`hpc.preempt` for the stop/requeue flow and
+``srun --kill-on-bad-exit=1``; see :mod:`hpc.submit.preempt` for the stop/requeue flow and
 ``docs/submit.md`` for the whole story.
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpc.errors import SubmitError
-from hpc.preempt import DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL, parse_signal
+from hpc.submit.preempt import DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL, parse_signal
 
 __all__ = ["SubmitOptions", "submit", "make_executor", "SubmittedJob", "add_parser", "main",
            "parse_sbatch", "sbatch_long_options"]
@@ -231,7 +231,7 @@ def make_executor(options: SubmitOptions) -> Any:
 
 def _callable(target: Any, args: Sequence[str]) -> tuple[Any, Optional[str]]:
     """(the submitted callable, the pretrain run dir or None)."""
-    from hpc import jobs
+    from hpc.submit import payload as jobs
     from hpc.pretrain.config import PretrainConfig
 
     if isinstance(target, PretrainConfig):
@@ -276,29 +276,29 @@ def submit(target: Any, args: Sequence[str] = (), *,
     except Exception as e:  # submitit raises bare errors carrying sbatch's stderr
         raise SubmitError(f"sbatch refused the job: {e}.\nHINT: check the partition, "
                           "time limit and --sbatch options against `sinfo`.") from e
-    from hpc.submitted import SubmittedJob
+    from hpc.submit.handle import SubmittedJob
 
     return SubmittedJob(job, opts, run_dir=run_dir)
 
 
 def __getattr__(name: str) -> Any:
     if name == "SubmittedJob":  # lazily: it is only needed once a job exists
-        from hpc.submitted import SubmittedJob
+        from hpc.submit.handle import SubmittedJob
 
         return SubmittedJob
     raise AttributeError(f"module 'hpc.submit' has no attribute {name!r}")
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``hpc submit`` (see :mod:`hpc.submit_cli`; imports neither torch nor submitit)."""
-    from hpc.submit_cli import add_parser as add
+    """Register ``hpc submit`` (see :mod:`hpc.submit.cli`; imports neither torch nor submitit)."""
+    from hpc.submit.cli import add_parser as add
 
     add(sub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m hpc.submit ARGS``: the same as ``hpc submit ARGS``."""
-    from hpc.submit_cli import run
+    from hpc.submit.cli import run
 
     return run(argv)
 

@@ -141,7 +141,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         return _STATE["info"]
     import torch.distributed as dist
 
-    from hpc import rendezvous
+    from hpc.bootstrap import preflight as rendezvous
 
     env = os.environ if environ is None else environ
     info = detect(env)
@@ -164,7 +164,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         else:
             gpu = None
             if backend == "nccl" and dev.type == "cuda":
-                from hpc import gpubind
+                from hpc.bootstrap import gpubind
 
                 gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
             store = rendezvous.preflight(info, connect_timeout, timeout, env, gpu=gpu)
@@ -180,7 +180,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     if not _STATE["atexit"]:
         atexit.register(teardown)
         _STATE["atexit"] = True
-        from hpc import failure
+        from hpc.bootstrap import failure
 
         failure.install(info.rank, env)  # after teardown's handler: runs before it
     logger.info("initialised %s, backend %s, device %s", info.describe(), backend, dev)

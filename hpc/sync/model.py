@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hpc._collective import active_world, comm_device, finish_check, start_check
+from hpc.sync._collective import active_world, comm_device, finish_check, start_check
 
 __all__ = ["sync_model", "DEFAULT_BUCKET_BYTES"]
 

@@ -18,8 +18,8 @@ __all__ = ["main", "SUBCOMMANDS"]
 logger = logging.getLogger(__name__)
 
 #: Subcommand -> module contributing it, imported lazily (none imports torch at import).
-SUBCOMMANDS = {"env": "hpc.cli_env", "demo": "hpc.demo", "pretrain": "hpc.pretrain.cli",
-               "submit": "hpc.submit"}
+SUBCOMMANDS = {"env": "hpc.cli.env", "demo": "hpc.cli.demo", "pretrain": "hpc.pretrain.cli",
+               "submit": "hpc.submit.cli"}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -103,7 +103,7 @@ def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
 
 
 def _build(p: argparse.ArgumentParser) -> None:
-    from hpc.preempt import DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL, VALID_SIGNALS
+    from hpc.submit.preempt import DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL, VALID_SIGNALS
 
     a = p.add_argument
     a("--nodes", "-N", type=int, default=1, help="nodes (default 1)")
@@ -140,7 +140,7 @@ def _build(p: argparse.ArgumentParser) -> None:
 
 def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
     if kind == "pretrain":
-        from hpc.jobs import PretrainJob
+        from hpc.submit.payload import PretrainJob
         from hpc.pretrain.cli import _build as build_pretrain  # the one pretrain parser
         from hpc.pretrain.cli import config_from_args
 

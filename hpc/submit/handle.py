@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from hpc import jobwatch
+from hpc.submit import watch as jobwatch
 from hpc.errors import SubmitError
 
 __all__ = ["SubmittedJob"]

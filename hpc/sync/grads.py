@@ -37,8 +37,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from hpc._collective import active_world, check_same_tensors, comm_device
-from hpc._gradplan import Arena, Bucket, make_plan
+from hpc.sync._collective import active_world, check_same_tensors, comm_device
+from hpc.sync._plan import Arena, Bucket, make_plan
 from hpc.errors import HPCError
 
 __all__ = ["sync_gradients", "GradSync", "DEFAULT_BUCKET_BYTES",

@@ -1,4 +1,4 @@
-"""Planning and buffers for :mod:`hpc.gradsync` (internal).
+"""Planning and buffers for :mod:`hpc.sync.grads` (internal).
 
 * :func:`make_plan` turns "which rank has which gradient" into an ordered list of
   :class:`Bucket` (owner broadcasts and sums); every rank computes the same list from

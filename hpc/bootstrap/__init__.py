@@ -1,0 +1,9 @@
+"""What :func:`hpc.init_torch` runs, in call order.
+
+* :mod:`hpc.bootstrap.distributed` — ``init_torch``/``teardown``, export, roles, barriers;
+* :mod:`hpc.bootstrap.preflight` — the master address and the pre-flight before init;
+* :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
+* :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first.
+
+Nothing here is imported by ``import hpc``; the public names are served by :mod:`hpc`.
+"""
