@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.errors import LaunchEnvironmentError
 from hpc.bootstrap.gpubind import GpuClaim, find_shared, publish, shared_gpu_error
+from hpc.errors import LaunchEnvironmentError
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")

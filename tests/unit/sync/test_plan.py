@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.sync._collective import (_digest, agreement_vector, all_agree, mismatch_message,
-                              signature)
+from hpc.sync._collective import (
+    _digest,
+    agreement_vector,
+    all_agree,
+    mismatch_message,
+    signature,
+)
 from hpc.sync._plan import Arena, make_plan
 from hpc.sync.model import _Bucket, _pack, _unpack
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc.submit import watch as jobwatch
-from hpc.submit import preempt
 from hpc.errors import SubmitError
-from hpc.submit import SubmitOptions, make_executor, parse_sbatch
+from hpc.submit import SubmitOptions, make_executor, parse_sbatch, preempt
+from hpc.submit import watch as jobwatch
 from hpc.submit.cli import parse_time, split_target
 from tests.helpers import ROOT
 

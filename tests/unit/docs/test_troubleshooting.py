@@ -15,7 +15,7 @@ from pathlib import Path
 
 import hpc.errors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "troubleshooting.md"
 BOOTSTRAP = [*sorted((ROOT / "hpc" / "environments").glob("*.py")),
              *sorted((ROOT / "hpc" / "bootstrap").glob("*.py"))]

@@ -12,9 +12,16 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from hpc.errors import CheckpointError  # noqa: E402
-from hpc.pretrain.checkpoint import (capture_rng, checkpoint_path, list_checkpoints,  # noqa: E402
-                                     load_checkpoint, load_latest, prune, restore_rng,
-                                     save_atomic)
+from hpc.pretrain.checkpoint import (  # noqa: E402
+    capture_rng,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    prune,
+    restore_rng,
+    save_atomic,
+)
 from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
 
 

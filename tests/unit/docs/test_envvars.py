@@ -14,8 +14,8 @@
 from __future__ import annotations
 
 import ast
-import inspect
 import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -23,7 +23,7 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "envvars.rst"
 EXTERNAL_MARKER = ".. test_docs_envvars: the variables below are read by other tools"
 SCRIPTS = [*sorted((ROOT / "bin").glob("*")), *sorted((ROOT / "slurm").glob("*")),

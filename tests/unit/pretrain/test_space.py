@@ -10,10 +10,14 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from hpc.pretrain.config import PretrainConfig  # noqa: E402
-from hpc.pretrain.data import (epoch_batches, load_file, steps_per_epoch,  # noqa: E402
-                               val_shard)
-from hpc.pretrain.space import (CANDIDATES, SearchSpace, Supernet, arch_generator,  # noqa: E402
-                                derive_seed)
+from hpc.pretrain.data import epoch_batches, load_file, steps_per_epoch, val_shard  # noqa: E402
+from hpc.pretrain.space import (  # noqa: E402
+    CANDIDATES,
+    SearchSpace,
+    Supernet,
+    arch_generator,
+    derive_seed,
+)
 
 
 def test_arch_draws_are_a_pure_function_of_seed_rank_step() -> None:

@@ -1,0 +1,58 @@
+"""export_env: the one writer of torchrun-style variables."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hpc.bootstrap.distributed import export_env
+from hpc.environments import detect
+from hpc.environments.base import DistInfo
+from hpc.errors import LaunchEnvironmentError
+
+EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")
+INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
+                node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)
+
+
+
+def test_export_env_sets_every_key() -> None:
+    env: dict[str, str] = {"PATH": "/bin"}
+    export_env(INFO, env)
+    assert env == {"PATH": "/bin", "MASTER_ADDR": "node1", "MASTER_PORT": "15042",
+                   "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                   "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "NODE_RANK": "0",
+                   "NNODES": "2"}
+    assert set(EXPORTED) <= set(env)
+    # what was exported reads back as the same layout
+    again = detect(dict(env, TORCHELASTIC_RUN_ID="x"))
+    assert dataclasses.replace(again, launcher="slurm", job_id=None) == INFO
+
+
+def test_export_env_refuses_a_different_value() -> None:
+    env = {"RANK": "0", "MASTER_PORT": "29500"}
+    with pytest.raises(LaunchEnvironmentError) as e:
+        export_env(INFO, env)
+    text = str(e.value)
+    assert "RANK=0 (set) vs 3" in text and "MASTER_PORT=29500 (set) vs 15042" in text
+    assert "slurm" in text and "HINT" in text
+    assert env == {"RANK": "0", "MASTER_PORT": "29500"}  # nothing written on refusal
+
+
+def test_export_env_equal_values_and_overwrite() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "node1"}
+    export_env(INFO, env)
+    assert env["LOCAL_RANK"] == "1"
+    env["RANK"] = "0"
+    export_env(INFO, env, overwrite=True)
+    assert env["RANK"] == "3"
+
+
+def test_export_env_skips_unknown_master() -> None:
+    env = {"MASTER_ADDR": "elsewhere"}
+    export_env(DistInfo(launcher="mpich", rank=1, world_size=2, local_rank=1,
+                        local_world_size=2), env)
+    assert env["MASTER_ADDR"] == "elsewhere" and "MASTER_PORT" not in env
+    assert env["RANK"] == "1"

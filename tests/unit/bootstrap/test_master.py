@@ -1,0 +1,73 @@
+"""resolve_master: the master address where the launcher gives none."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from hpc.bootstrap.preflight import launcher_pid, resolve_master
+from hpc.environments import detect
+from hpc.environments.base import PORT_BASE, PORT_SPAN, DistInfo, derive_port
+from hpc.errors import MasterAddressError
+from tests.unit.envdumps import load
+
+EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")
+INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
+                node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)
+
+
+
+@pytest.fixture()
+def no_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``from mpi4py import MPI`` fail, so MPI launchers take the non-mpi4py paths."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+
+
+def mpi_info(rank: int, world: int, per_node: int, launcher: str = "mpich",
+             **kw: Any) -> DistInfo:
+    return DistInfo(launcher=launcher, rank=rank, world_size=world, local_rank=rank % per_node,
+                    local_world_size=per_node, node_rank=rank // per_node,
+                    num_nodes=world // per_node, **kw)
+
+
+@pytest.mark.usefixtures("no_mpi4py")
+def test_resolve_master_single_node() -> None:
+    infos = [resolve_master(detect(env), {}) for _, env in load("openmpi_mpirun_local.txt")]
+    assert {(i.master_addr, i.master_port) for i in infos} == {
+        ("127.0.0.1", derive_port("mpi", "1138622465"))}  # every rank agrees
+    info = resolve_master(mpi_info(1, 4, 4), {})  # MPICH: no job id, the launcher's pid
+    assert info.master_addr == "127.0.0.1"
+    assert PORT_BASE <= info.master_port < PORT_BASE + PORT_SPAN
+    # Inside an allocation too: two mpiexec runs of one job must not share a port.
+    inside = resolve_master(mpi_info(1, 4, 4), {"SLURM_JOB_ID": "77"})
+    assert inside.master_port == info.master_port == derive_port("mpi", launcher_pid())
+
+
+@pytest.mark.usefixtures("no_mpi4py")
+def test_resolve_master_from_slurm_allocation() -> None:
+    environ = {"SLURM_JOB_ID": "30", "SLURM_JOB_NODELIST": "node[1-2]"}
+    for rank in range(4):
+        info = resolve_master(mpi_info(rank, 4, 2, launcher="openmpi"), environ)
+        assert (info.master_addr, info.master_port) == ("node1", derive_port("30", "mpi"))
+    kept = resolve_master(mpi_info(2, 4, 2, master_port=29500), environ)
+    assert (kept.master_addr, kept.master_port) == ("node1", 29500)
+
+
+@pytest.mark.usefixtures("no_mpi4py")
+def test_resolve_master_error() -> None:
+    with pytest.raises(MasterAddressError) as e:
+        resolve_master(mpi_info(2, 4, 2), {"SLURM_JOB_ID": "30"})  # no nodelist
+    text = str(e.value)
+    assert "4 ranks on 2 nodes" in text and "mpi4py" in text and "HINT" in text
+    assert "MASTER_ADDR" in text
+
+
+def test_resolve_master_known_or_single() -> None:
+    known = mpi_info(1, 4, 2, master_addr="h", master_port=29500)
+    assert resolve_master(known, {}) is known
+    single = resolve_master(DistInfo(launcher="openmpi"), {})
+    assert single.master_addr == "127.0.0.1"

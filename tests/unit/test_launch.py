@@ -1,0 +1,62 @@
+"""hpc run's per-rank environment (hpc.launch.rank_env)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+
+from hpc.cli.env import find_mismatches
+from hpc.environments import detect
+from hpc.environments.base import DistInfo
+from hpc.launch import loopback_interface, rank_env
+from tests.unit.envdumps import load
+
+EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")
+INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
+                node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)
+
+
+
+def test_rank_env_gives_hpc_run_layout() -> None:
+    base = {"PATH": "/usr/bin"}
+    envs = [rank_env(r, 4, 29555, "run1", base=base) for r in range(4)]
+    assert base == {"PATH": "/usr/bin"}  # not modified
+    infos = [detect(env) for env in envs]
+    assert [i.rank for i in infos] == [0, 1, 2, 3] == [i.local_rank for i in infos]
+    assert {(i.launcher, i.world_size, i.local_world_size, i.num_nodes, i.master_addr,
+             i.master_port, i.job_id) for i in infos} == {
+        ("hpc-run", 4, 4, 1, "127.0.0.1", 29555, "run1")}
+    rows = [dict(dataclasses.asdict(i), host="localhost") for i in infos]
+    assert find_mismatches(rows) == []
+    assert all(env["PATH"] == "/usr/bin" and env["PYTHONUNBUFFERED"] == "1" for env in envs)
+    assert all(int(env["OMP_NUM_THREADS"]) >= 1 for env in envs)
+
+
+def test_rank_env_keeps_user_threads_and_reads_os_environ(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert rank_env(0, 2, 1, "r", base={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+    monkeypatch.setenv("HPC_TEST_MARKER", "yes")
+    assert rank_env(0, 2, 1, "r")["HPC_TEST_MARKER"] == "yes"
+
+
+def test_rank_env_keeps_gloo_on_loopback_with_two_lanes() -> None:
+    assert rank_env(0, 2, 1, "r", base={}, loopback="lo")["GLOO_SOCKET_IFNAME"] == "lo,lo"
+    user = {"GLOO_SOCKET_IFNAME": "eth0"}
+    assert rank_env(0, 2, 1, "r", base=user, loopback="lo")["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert "GLOO_SOCKET_IFNAME" not in rank_env(0, 2, 1, "r", base={})
+
+
+def test_loopback_interface_exists_on_linux() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the loopback interface is called lo on Linux only")
+    assert loopback_interface() == "lo"
+
+
+def test_rank_env_inside_slurm_is_not_an_inconsistency() -> None:
+    """``hpc run`` inside an srun task: its ranks carry the task's SLURM_* too."""
+    task = load("srun_from_login_env.txt")[1][1]
+    info = detect(rank_env(3, 4, 29555, "run1", base=task))
+    assert (info.launcher, info.rank, info.world_size) == ("hpc-run", 3, 4)
