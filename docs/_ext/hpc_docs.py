@@ -13,14 +13,15 @@
     landing later appear without editing the docs; ``:optional:`` renders nothing while
     the package does not exist). Re-exported names are documented
     where they are defined, not again in each package that re-exports them.
-``.. hpc-api-rest:: PACKAGE``
-    The same for every public module that no ``hpc-api`` line in ``docs/api/*.rst``
-    covers, so a new module is documented (and its references resolve) at once.
+``.. hpc-api-coverage:: PACKAGE``
+    A warning (an error under ``-W``) naming every public module that no ``hpc-api``
+    line in ``docs/api/*.rst`` covers: each package folder has its page, none is a
+    catch-all.
 ``.. hpc-reexports:: PACKAGE``
     A table of the names ``PACKAGE.__all__`` re-exports, linking to their definitions.
 ``.. hpc-toctree::`` / ``.. hpc-ifdoc:: DOC`` / ``.. hpc-ifmodule:: MODULE``
     A toctree, and blocks of content, kept only for documents or modules that exist
-    (pages and modules that other work adds later: ``sync``, ``hpc.submit``...).
+    (optional pages and modules, e.g. ``hpc.submit`` without submitit installed).
 
 A ``missing-reference`` handler resolves ``hpc.init_torch``-style references to the
 object's defining module (``hpc.bootstrap.distributed.init_torch``) and short names such as
@@ -44,12 +45,14 @@ from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
 from sphinx.application import Sphinx
 from sphinx.directives.other import TocTree
+from sphinx.util import logging as sphinx_logging
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
 ROOT = Path(__file__).resolve().parents[2]
 _BORDER = re.compile(r"^=+( +=+)+\s*$")
-_API_LINE = re.compile(r"^\.\. (hpc-api|hpc-api-rest):: *(\S+)", re.MULTILINE)
+logger = sphinx_logging.getLogger(__name__)
+_API_LINE = re.compile(r"^\.\. (hpc-api):: *(\S+)", re.MULTILINE)
 
 
 def order_comments() -> dict[str, str]:
@@ -207,31 +210,33 @@ def module_exists(name: str) -> bool:
     return True
 
 
-class ApiRestDirective(ApiDirective):
-    """``hpc-api`` for every public module of PACKAGE no ``hpc-api`` in ``api/`` covers.
+class ApiCoverageDirective(SphinxDirective):
+    """Fail the build when a public module of PACKAGE is on no API page.
 
-    The other pages are scanned as text (not through the build), so the result does not
-    depend on the order in which Sphinx reads documents.
+    Every page of ``docs/api/`` documents one package folder with ``hpc-api``; there is
+    no catch-all page, so a module outside every folder (or a new top-level module) must
+    be given a place. The pages are scanned as text, not through the build, so the
+    result does not depend on the order in which Sphinx reads documents. Renders
+    nothing.
     """
+
+    required_arguments = 1
 
     def run(self) -> list[nodes.Node]:
         here = Path(self.env.doc2path(self.env.docname)).parent
         covered: set[str] = set()
         for page in here.glob("*.rst"):
+            self.env.note_dependency(str(page))
             for match in _API_LINE.finditer(page.read_text(encoding="utf-8")):
-                if match.group(1) != "hpc-api-rest":
-                    covered.update(public_modules(match.group(2)) if module_exists(match.group(2))
-                                   else [])
-        rest = [m for m in public_modules(self.arguments[0])
-                if m not in covered and m != self.arguments[0]]
-        if not rest:
-            return [nodes.paragraph(text="(none: every module has its own page)")]
-        self.options = {"exclude": ""}
-        lines: list[str] = []
-        for name in rest:
-            lines += _automodule_lines(name)
-            self.env.note_dependency(importlib.import_module(name).__file__ or "")
-        return _parse_rst(self, "\n".join(lines), f"<hpc-api-rest {self.arguments[0]}>")
+                if module_exists(match.group(2)):
+                    covered.update(public_modules(match.group(2)))
+        package = self.arguments[0]
+        missing = [m for m in public_modules(package) if m not in covered and m != package]
+        if missing:
+            logger.warning("public modules on no API page: %s (add an hpc-api line to the "
+                           "page of their package in docs/api/)", ", ".join(missing),
+                           location=self.get_location())
+        return []
 
 
 class ReexportsDirective(SphinxDirective):
@@ -360,7 +365,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("hpc-launchers", LaunchersDirective)
     app.add_directive("hpc-docstring", DocstringDirective)
     app.add_directive("hpc-api", ApiDirective)
-    app.add_directive("hpc-api-rest", ApiRestDirective)
+    app.add_directive("hpc-api-coverage", ApiCoverageDirective)
     app.add_directive("hpc-reexports", ReexportsDirective)
     app.add_directive("hpc-toctree", OptionalTocTree)
     app.add_directive("hpc-ifdoc", IfDocDirective)
