@@ -348,7 +348,9 @@ def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
         gs._on_grad(i)
 
 
-_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
+#: Per module: the keyword options a cached :class:`GradSync` was built with, and it.
+_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict[str, Any], GradSync]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def sync_gradients(module_or_params: ModuleOrParams, *, match_ddp: bool = False,
@@ -356,14 +358,20 @@ def sync_gradients(module_or_params: ModuleOrParams, *, match_ddp: bool = False,
     """Average ``.grad`` across ranks after ``backward()``; see :class:`GradSync`.
 
     For a module (with the default group) one :class:`GradSync` is cached per module and
-    reused, buffers included; for a list of parameters a new one is built per call.
+    reused, buffers included, as long as the call's options equal the ones it was built
+    with (other options build, and cache, a new one); for a list of parameters a new one
+    is built per call.
     """
     if not active_world(group):
         return
+    # Every keyword option, in one place: what GradSync is built with is the cache key,
+    # so an option added here can never reuse a GradSync built with other settings.
+    options: dict[str, Any] = {"match_ddp": match_ddp, "group": group}
     if isinstance(module_or_params, torch.nn.Module) and group is None:
-        gs = _CACHE.get(module_or_params)
-        if gs is None or gs.match_ddp != match_ddp:
-            gs = _CACHE[module_or_params] = GradSync(module_or_params, match_ddp=match_ddp)
-        gs.sync()
+        cached = _CACHE.get(module_or_params)
+        if cached is None or cached[0] != options:
+            cached = _CACHE[module_or_params] = (options, GradSync(module_or_params,
+                                                                   **options))
+        cached[1].sync()
         return
-    GradSync(module_or_params, match_ddp=match_ddp, group=group).sync()
+    GradSync(module_or_params, **options).sync()
