@@ -8,6 +8,8 @@
   :class:`~hpc.errors.ModelMismatchError` on every rank, naming the first differing
   tensor and the ranks, instead of letting a later collective of mismatched sizes hang.
 * :func:`comm_device` picks the device a collective's tensors must live on.
+* :data:`BucketKind` names what one bucket's collective does, in both modules, and
+  :func:`start_bucket` issues it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 import torch
 import torch.distributed as dist
@@ -23,12 +25,21 @@ import torch.distributed as dist
 from hpc.errors import ModelMismatchError
 
 __all__ = ["active_world", "check_same_tensors", "start_check", "finish_check",
-           "comm_device", "Signature", "describe", "agreement_vector", "all_agree"]
+           "comm_device", "Signature", "describe", "agreement_vector", "all_agree",
+           "BucketKind", "BUCKET_KINDS", "start_bucket"]
 
 logger = logging.getLogger(__name__)
 
 #: One entry per tensor: (name, shape, dtype as text).
 Signature = list[tuple[str, tuple[int, ...], str]]
+
+#: What one bucket's collective makes of it, on every rank, in ``sync_model`` and
+#: ``GradSync`` alike: ``"broadcast"``, one rank's values (``dist.broadcast`` from it);
+#: ``"mean"``, the mean over ranks, from a summing ``dist.all_reduce`` (``GradSync``
+#: scales each gradient by ``1/world_size`` before it, ``sync_model`` divides after).
+BucketKind = Literal["broadcast", "mean"]
+#: Every :data:`BucketKind`, in a fixed order (per-kind figures).
+BUCKET_KINDS: tuple[BucketKind, ...] = get_args(BucketKind)
 
 
 def active_world(group: Optional[Any] = None) -> int:
@@ -60,6 +71,17 @@ def comm_device(group: Optional[Any] = None, tensor_device: Optional[torch.devic
     if cpu_ok:
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def start_bucket(kind: BucketKind, flat: torch.Tensor, src: int,
+                 group: Optional[Any] = None) -> Any:
+    """Issue ``kind``'s collective on ``flat`` (``async_op=True``); returns its Work.
+
+    ``src`` is the *global* rank that broadcasts (unused for ``"mean"``).
+    """
+    if kind == "mean":
+        return dist.all_reduce(flat, group=group, async_op=True)
+    return dist.broadcast(flat, src, group=group, async_op=True)
 
 
 def signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:

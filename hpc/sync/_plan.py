@@ -1,7 +1,7 @@
 """Planning and buffers for :mod:`hpc.sync.grads` (internal).
 
 * :func:`make_plan` turns "which rank has which gradient" into an ordered list of
-  :class:`Bucket` (owner broadcasts and sums); every rank computes the same list from
+  :class:`Bucket` (owner broadcasts and means); every rank computes the same list from
   the same gathered usage, so the collectives line up.
 * :class:`Arena` owns the flat buffers the synced gradients are views of, and reuses one
   once no gradient view of it is alive any more.
@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from hpc.sync._collective import BucketKind
+
 __all__ = ["Bucket", "make_plan", "Arena"]
 
 #: (device, dtype) of a parameter: tensors of one key share a flat buffer.
@@ -23,10 +25,10 @@ Key = tuple[torch.device, torch.dtype]
 
 @dataclass
 class Bucket:
-    """One collective: a broadcast from ``owner`` or a sum over all ranks."""
+    """One collective: a broadcast from ``owner`` or a mean over all ranks."""
 
-    kind: str                     # "bcast" (one user, its owner sends) or "sum"
-    owner: int                    # group rank that broadcasts; -1 for "sum"
+    kind: BucketKind              # "broadcast" (one user, its owner sends) or "mean"
+    owner: int                    # group rank that broadcasts; -1 for "mean"
     key: Key
     idx: list[int] = field(default_factory=list)      # parameters, in buffer order
     offsets: list[int] = field(default_factory=list)
@@ -67,7 +69,7 @@ def make_plan(users: torch.Tensor, numels: Sequence[int],
     if ddp_layout is not None:
         for layout in ddp_layout:
             if any(counts[i] > 2 for i in layout):
-                b = Bucket("sum", -1, keys[layout[0]], exact=True)
+                b = Bucket("mean", -1, keys[layout[0]], exact=True)
                 for i in layout:
                     b.add(i, numels[i])
                     b.pending += mine[i]
@@ -80,7 +82,7 @@ def make_plan(users: torch.Tensor, numels: Sequence[int],
         if c == 0 or i in in_exact:
             continue
         owner = owners[i] if c == 1 else -1
-        kind = "bcast" if c == 1 else "sum"
+        kind: BucketKind = "broadcast" if c == 1 else "mean"
         k = (kind, owner, keys[i])
         b = open_.get(k)
         if b is not None and b.idx and (b.numel + numels[i]) * itemsizes[i] > bucket_bytes:

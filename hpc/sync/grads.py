@@ -37,9 +37,15 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from hpc.sync._collective import active_world, check_same_tensors, comm_device
-from hpc.sync._plan import Arena, Bucket, make_plan
 from hpc.errors import HPCError
+from hpc.sync._collective import (
+    BUCKET_KINDS,
+    active_world,
+    check_same_tensors,
+    comm_device,
+    start_bucket,
+)
+from hpc.sync._plan import Arena, Bucket, make_plan
 
 __all__ = ["sync_gradients", "GradSync", "DEFAULT_BUCKET_BYTES",
            "DEFAULT_OVERLAP_BUCKET_BYTES"]
@@ -238,7 +244,7 @@ class GradSync:
             b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel, cap)
             for i, off in zip(b.idx, b.offsets):
                 st.where[i] = (b, off)
-                if b.kind == "sum" and not mine[i]:
+                if b.kind == "mean" and not mine[i]:
                     b.flat[off:off + self._numels[i]].zero_()
         scale = 1.0 / ws
         for i in st.ready:
@@ -253,7 +259,7 @@ class GradSync:
             dst.zero_()
         else:
             torch.mul(g.reshape(-1), scale, out=dst)  # DDP's reducer: mul_out(1/ws)
-            if b.kind == "bcast":
+            if b.kind == "broadcast":
                 dst.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it (cache-hot)
         b.pending -= 1
         st.packed.add(i)
@@ -263,12 +269,10 @@ class GradSync:
         plan = st.plan or []
         while st.launched < len(plan) and plan[st.launched].pending == 0:
             b = plan[st.launched]
-            if b.kind == "sum":
-                b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
-            else:
-                src = b.owner if self.group is None else dist.get_global_rank(
-                    self.group, b.owner)
-                b.work = dist.broadcast(b.flat, src, group=self.group, async_op=True)
+            src = b.owner
+            if b.kind == "broadcast" and self.group is not None:
+                src = dist.get_global_rank(self.group, b.owner)
+            b.work = start_bucket(b.kind, b.flat, src, self.group)
             st.launched += 1
 
     def _on_grad(self, i: int) -> None:
@@ -305,7 +309,7 @@ class GradSync:
         scale = 1.0 / ws
         try:
             for b in plan[st.launched:]:
-                if b.kind == "sum" or b.owner == rank:
+                if b.kind == "mean" or b.owner == rank:
                     for i in b.idx:
                         if mine[i] and i not in st.packed:
                             self._pack(st, i, scale)
@@ -324,11 +328,11 @@ class GradSync:
                     view = b.flat[off:off + self._numels[i]].view(p.shape)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
-            nbytes = {k: sum(b.numel * self._itemsizes[b.idx[0]] for b in plan if b.kind == k)
-                      for k in ("bcast", "sum")}
             self.stats = {"params_synced": sent, "params_skipped": len(self.params) - sent,
-                          "collectives": len(plan), "bcast_bytes": nbytes["bcast"],
-                          "sum_bytes": nbytes["sum"]}
+                          "collectives": len(plan)}
+            for k in BUCKET_KINDS:  # "broadcast_bytes", "mean_bytes"
+                self.stats[f"{k}_bytes"] = sum(b.numel * self._itemsizes[b.idx[0]]
+                                               for b in plan if b.kind == k)
         finally:
             self._arena.end_step()
 

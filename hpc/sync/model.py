@@ -34,7 +34,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hpc.sync._collective import active_world, comm_device, finish_check, start_check
+from hpc.sync._collective import (
+    BucketKind,
+    active_world,
+    comm_device,
+    finish_check,
+    start_bucket,
+    start_check,
+)
 
 __all__ = ["sync_model", "DEFAULT_BUCKET_BYTES"]
 
@@ -63,7 +70,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 @dataclass
 class _Bucket:
-    op: str                      # "broadcast" or "mean"
+    kind: BucketKind             # "broadcast" (from ``src``) or "mean"
     device: torch.device         # where the flat buffer lives
     wire: torch.dtype            # dtype of the flat buffer
     tensors: list[torch.Tensor] = field(default_factory=list)
@@ -71,54 +78,54 @@ class _Bucket:
     direct: bool = False         # one large tensor sent in place: no pack, no copy-out
 
 
-def _wire(t: torch.Tensor, op: str) -> tuple[str, torch.dtype]:
-    """(operation, dtype on the wire) for tensor ``t`` under requested ``op``."""
+def _wire(t: torch.Tensor, kind: BucketKind) -> tuple[BucketKind, torch.dtype]:
+    """(kind, dtype on the wire) for tensor ``t`` under the requested ``kind``."""
     if t.dtype == torch.bool:
         return "broadcast", torch.uint8
-    if op == "mean":
+    if kind == "mean":
         if not t.is_floating_point() and not t.is_complex():
             return "mean", torch.int64
         if t.dtype in _LOW_PRECISION:
             return "mean", torch.float32
-    return op, t.dtype
+    return kind, t.dtype
 
 
-def _buckets(tensors: Sequence[tuple[torch.Tensor, str]], group: Optional[Any],
+def _buckets(tensors: Sequence[tuple[torch.Tensor, BucketKind]], group: Optional[Any],
              bucket_bytes: int, direct_bytes: int) -> list[_Bucket]:
-    """Large contiguous tensors alone (in place), the rest packed by (device, dtype, op).
+    """Large contiguous tensors alone (in place), the rest packed by (device, dtype, kind).
 
     With no large tensor to keep the link busy, the packed bytes are cut into at least
     ``_MIN_PIPELINE`` buckets (not below ``_MIN_BUCKET_BYTES``) so packing,
     the transfer and copying out overlap.
     """
     done: list[_Bucket] = []
-    small: list[tuple[torch.Tensor, str, torch.device, torch.dtype, int]] = []
+    small: list[tuple[torch.Tensor, BucketKind, torch.device, torch.dtype, int]] = []
     devices: dict[torch.device, torch.device] = {}
     for t, requested in tensors:
         if t.is_sparse or t.numel() == 0:
             continue
-        op, wire = _wire(t, requested)
+        kind, wire = _wire(t, requested)
         dev = devices.get(t.device)
         if dev is None:
             dev = devices[t.device] = comm_device(group, t.device)
         nbytes = t.numel() * wire.itemsize
         if (nbytes >= direct_bytes and wire == t.dtype and dev == t.device
                 and t.is_contiguous()):
-            done.append(_Bucket(op, dev, wire, [t], t.numel(), direct=True))
+            done.append(_Bucket(kind, dev, wire, [t], t.numel(), direct=True))
         else:
-            small.append((t, op, dev, wire, nbytes))
+            small.append((t, kind, dev, wire, nbytes))
     if not done:
         total = sum(s[-1] for s in small)
         bucket_bytes = min(bucket_bytes, max(_MIN_BUCKET_BYTES, total // _MIN_PIPELINE))
     open_: dict[tuple[Any, ...], _Bucket] = {}
-    for t, op, dev, wire, nbytes in small:
-        key = (op, dev, wire)
+    for t, kind, dev, wire, nbytes in small:
+        key = (kind, dev, wire)
         b = open_.get(key)
         if b is not None and b.numel * wire.itemsize + nbytes > bucket_bytes:
             done.append(b)
             b = None
         if b is None:
-            b = open_[key] = _Bucket(op, dev, wire)
+            b = open_[key] = _Bucket(kind, dev, wire)
         b.tensors.append(t)
         b.numel += t.numel()
     done.extend(open_.values())
@@ -165,7 +172,7 @@ def _unpack(b: _Bucket, flat: torch.Tensor) -> None:
 
 
 def _finish(b: _Bucket, flat: torch.Tensor, rank: int, src: int, ws: int) -> None:
-    if b.op == "mean":
+    if b.kind == "mean":
         if b.wire.is_floating_point or b.wire.is_complex:
             flat.div_(ws)
         else:
@@ -212,8 +219,10 @@ def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
     params = list(module.named_parameters())
     buffers = list(module.named_buffers())
     pending_check = start_check(params + buffers, group) if check else None
-    work = [(p.data, "mean" if reduce_parameters else "broadcast") for _, p in params]
-    work += [(b, "mean" if reduce_buffers else "broadcast") for _, b in buffers]
+    param_kind: BucketKind = "mean" if reduce_parameters else "broadcast"
+    buffer_kind: BucketKind = "mean" if reduce_buffers else "broadcast"
+    work = [(p.data, param_kind) for _, p in params]
+    work += [(b, buffer_kind) for _, b in buffers]
     rank = dist.get_rank(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
     pool = _Pool()
@@ -226,12 +235,9 @@ def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
             flat = b.tensors[0]
         else:
             flat = pool.take(b.device, b.wire, b.numel)
-            if b.op == "mean" or rank == src:
+            if b.kind == "mean" or rank == src:
                 _pack(b, flat)
-        if b.op == "mean":
-            handle = dist.all_reduce(flat, group=group, async_op=True)
-        else:
-            handle = dist.broadcast(flat, global_src, group=group, async_op=True)
+        handle = start_bucket(b.kind, flat, global_src, group)
         if b.direct:  # no buffer held: no need to wait before issuing more
             direct.append((b, flat, handle))
             continue

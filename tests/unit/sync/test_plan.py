@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpc.sync import model
 from hpc.sync._collective import (
+    BUCKET_KINDS,
     _digest,
     agreement_vector,
     all_agree,
@@ -13,7 +15,7 @@ from hpc.sync._collective import (
     signature,
 )
 from hpc.sync._plan import Arena, make_plan
-from hpc.sync.model import _Bucket, _pack, _unpack
+from hpc.sync.model import _Bucket, _buckets, _pack, _unpack
 
 F32 = (torch.device("cpu"), torch.float32)
 F64 = (torch.device("cpu"), torch.float64)
@@ -33,7 +35,7 @@ def test_plan_classifies_by_number_of_users() -> None:
              [0, 1, 1, 0, 0]]
     plan = _plan(users, [10, 20, 30, 40, 50])
     kinds = sorted((b.kind, b.owner, tuple(b.idx)) for b in plan)
-    assert kinds == [("bcast", 0, (0, 4)), ("bcast", 1, (2,)), ("sum", -1, (1,))]
+    assert kinds == [("broadcast", 0, (0, 4)), ("broadcast", 1, (2,)), ("mean", -1, (1,))]
     assert 3 not in {i for b in plan for i in b.idx}  # nobody used it: not sent
 
 
@@ -131,3 +133,15 @@ def test_bucket_pack_and_copy_out_round_trip(foreach: bool,
     _unpack(_Bucket("broadcast", torch.device("cpu"), torch.float32, dst, numel), flat)
     assert [d.dtype for d in dst] == [s.dtype for s in src]
     assert all(torch.equal(d, s) for d, s in zip(dst, src))
+
+
+def test_model_and_grads_buckets_share_one_kind_vocabulary(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """sync_model's buckets and GradSync's plan use the same BucketKind words."""
+    monkeypatch.setattr(model, "comm_device", lambda group, device=None: device)
+    assert BUCKET_KINDS == ("broadcast", "mean")
+    plan = _plan([[1, 1], [0, 1]], [4, 4])
+    packed = _buckets([(torch.zeros(4), "broadcast"), (torch.zeros(4), "mean"),
+                      (torch.zeros(2, dtype=torch.bool), "mean")],
+                     None, 1 << 20, 1 << 20)
+    assert {b.kind for b in plan} == {b.kind for b in packed} == set(BUCKET_KINDS)
