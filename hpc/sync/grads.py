@@ -40,6 +40,8 @@ import torch.distributed as dist
 from hpc.errors import HPCError
 from hpc.sync._collective import (
     BUCKET_KINDS,
+    GRAD_BUCKET_BYTES,
+    GRAD_OVERLAP_BUCKET_BYTES,
     active_world,
     check_same_tensors,
     comm_device,
@@ -47,15 +49,9 @@ from hpc.sync._collective import (
 )
 from hpc.sync._plan import Arena, Bucket, make_plan
 
-__all__ = ["sync_gradients", "GradSync", "DEFAULT_BUCKET_BYTES",
-           "DEFAULT_OVERLAP_BUCKET_BYTES"]
+__all__ = ["sync_gradients", "GradSync"]
 
 logger = logging.getLogger(__name__)
-
-#: Bucket size after backward, as DDP's default ``bucket_cap_mb=25``.
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-#: Bucket size when overlapping with backward: smaller, so that sends start early.
-DEFAULT_OVERLAP_BUCKET_BYTES = 4 * 1024 * 1024
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,8 +117,10 @@ class GradSync:
     Args:
         module_or_params: A module (its trainable parameters, in ``parameters()``
             order) or an iterable of parameters. Every rank must pass the same list.
-        bucket_bytes: Bucket size for :meth:`sync` after backward.
-        overlap_bucket_bytes: Bucket size for :meth:`backward`.
+        bucket_bytes: Bucket size for :meth:`sync` after backward (default 25 MiB,
+            DDP's ``bucket_cap_mb``; ``match_ddp`` follows DDP's layout for this size).
+        overlap_bucket_bytes: Bucket size for :meth:`backward` (default 4 MiB, so that
+            sends start early).
         match_ddp: Reproduce ``DDP(find_unused_parameters=True)`` bit for bit at any
             world size (see the module docstring); at world size 2 the default already
             does.
@@ -135,8 +133,8 @@ class GradSync:
     """
 
     def __init__(self, module_or_params: ModuleOrParams, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 overlap_bucket_bytes: int = DEFAULT_OVERLAP_BUCKET_BYTES,
+                 bucket_bytes: int = GRAD_BUCKET_BYTES,
+                 overlap_bucket_bytes: int = GRAD_OVERLAP_BUCKET_BYTES,
                  match_ddp: bool = False, group: Optional[Any] = None) -> None:
         self.named = _named(module_or_params)
         self.params = [p for _, p in self.named]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.sync._collective import (
+    MODEL_BUCKET_BYTES,
     BucketKind,
     active_world,
     comm_device,
@@ -43,14 +44,10 @@ from hpc.sync._collective import (
     start_check,
 )
 
-__all__ = ["sync_model", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["sync_model"]
 
 logger = logging.getLogger(__name__)
 
-#: Bucket size for the small tensors (the large ones go alone, in place): measured on
-#: gloo, 4 MiB with 6 in flight pipelines packing, sending and copying out better than
-#: 25 MiB with 3 for a 1M-parameter model and equals it for ResNet-50.
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 #: Packed buckets in flight at once (memory held: this many buckets).
 DEFAULT_IN_FLIGHT = 6
 
@@ -186,7 +183,7 @@ def _finish(b: _Bucket, flat: torch.Tensor, rank: int, src: int, ws: int) -> Non
 @torch.no_grad()
 def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
                reduce_buffers: bool = False, *, src: int = 0,
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               bucket_bytes: int = MODEL_BUCKET_BYTES,
                max_in_flight: int = DEFAULT_IN_FLIGHT,
                direct_bytes: int = DEFAULT_DIRECT_BYTES, group: Optional[Any] = None,
                check: bool = True) -> None:
@@ -202,7 +199,7 @@ def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
             taking the master's. Integer buffers get the floor of the mean, bool
             buffers always come from the master.
         src: Rank whose tensors are broadcast (default 0, the master).
-        bucket_bytes: Target size of one flat bucket.
+        bucket_bytes: Target size of one flat bucket of small tensors (default 4 MiB).
         max_in_flight: Packed buckets in flight at once.
         direct_bytes: Contiguous tensors at least this large are sent in place, without
             packing or copying out.
