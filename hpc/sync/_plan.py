@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -100,10 +101,17 @@ def _use_count(t: torch.Tensor) -> int:
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
-try:  # references a lone tensor's storage has (the tensor, the temporary storage object)
-    _ALONE: Optional[int] = _use_count(torch.empty(1))
-except (AttributeError, RuntimeError):  # pragma: no cover - private API gone
-    _ALONE = None
+@functools.cache
+def _alone() -> Optional[int]:
+    """References a lone tensor's storage has (the tensor, the temporary storage object).
+
+    Measured once, on first use (not at import: importing allocates no tensor); None
+    where torch's private use count is gone (buffers are then never reused).
+    """
+    try:
+        return _use_count(torch.empty(1))
+    except (AttributeError, RuntimeError):  # pragma: no cover - private API gone
+        return None
 
 
 class Arena:
@@ -125,7 +133,8 @@ class Arena:
 
     @staticmethod
     def _free(buf: torch.Tensor) -> bool:
-        return _ALONE is not None and _use_count(buf) <= _ALONE
+        alone = _alone()
+        return alone is not None and _use_count(buf) <= alone
 
     def take(self, device: torch.device, dtype: torch.dtype, numel: int,
              capacity: int) -> torch.Tensor:

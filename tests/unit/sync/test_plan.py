@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 import torch
 
+import hpc.sync
 from hpc.sync import model
 from hpc.sync._collective import (
     BUCKET_KINDS,
@@ -145,3 +149,26 @@ def test_model_and_grads_buckets_share_one_kind_vocabulary(
                       (torch.zeros(2, dtype=torch.bool), "mean")],
                      None, 1 << 20, 1 << 20)
     assert {b.kind for b in plan} == {b.kind for b in packed} == set(BUCKET_KINDS)
+
+
+def test_importing_the_sync_modules_allocates_no_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh imports of hpc.sync.* under a mode that records every torch call."""
+    from torch.overrides import TorchFunctionMode
+
+    calls: list[str] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", repr(func)))
+            return func(*args, **(kwargs or {}))
+
+    names = ["hpc.sync._collective", "hpc.sync._plan", "hpc.sync.model", "hpc.sync.grads"]
+    for name in names:  # monkeypatch puts the original modules back afterwards
+        original = importlib.import_module(name)
+        monkeypatch.setattr(hpc.sync, name.rsplit(".", 1)[1], original)
+        monkeypatch.delitem(sys.modules, name)
+    with Record():
+        for name in names:
+            importlib.import_module(name)
+    assert calls == []
