@@ -216,36 +216,64 @@ def sync_model(module: torch.nn.Module, reduce_parameters: bool = False,
     params = list(module.named_parameters())
     buffers = list(module.named_buffers())
     pending_check = start_check(params + buffers, group) if check else None
+    # While the check travels: what to send, and how.
+    work = _requests(params, buffers, reduce_parameters, reduce_buffers)
+    plan = _buckets(work, group, bucket_bytes, direct_bytes)
+    finish_check(pending_check, "sync_model", group)
+    _run(plan, group, src, ws, max_in_flight)
+
+
+def _requests(params: Sequence[tuple[str, torch.Tensor]],
+              buffers: Sequence[tuple[str, torch.Tensor]], reduce_parameters: bool,
+              reduce_buffers: bool) -> list[tuple[torch.Tensor, BucketKind]]:
+    """Every tensor to sync, with the kind its flag asks for (``_wire`` may overrule)."""
     param_kind: BucketKind = "mean" if reduce_parameters else "broadcast"
     buffer_kind: BucketKind = "mean" if reduce_buffers else "broadcast"
     work = [(p.data, param_kind) for _, p in params]
     work += [(b, buffer_kind) for _, b in buffers]
+    return work
+
+
+_InFlight = tuple[_Bucket, torch.Tensor, Any]  # bucket, its flat buffer, the Work
+
+
+def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
+         max_in_flight: int) -> None:
+    """Issue every bucket's collective, keeping at most ``max_in_flight`` packed ones
+    in flight (direct buckets hold no buffer and do not count), and finish them all."""
     rank = dist.get_rank(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
     pool = _Pool()
-    pending: deque[tuple[_Bucket, torch.Tensor, Any]] = deque()
-    direct: list[tuple[_Bucket, torch.Tensor, Any]] = []
-    plan = _buckets(work, group, bucket_bytes, direct_bytes)  # while the check travels
-    finish_check(pending_check, "sync_model", group)
+    pending: deque[_InFlight] = deque()
+    direct: list[_InFlight] = []
     for b in plan:
-        if b.direct:
-            flat = b.tensors[0]
-        else:
-            flat = pool.take(b.device, b.wire, b.numel)
-            if b.kind == "mean" or rank == src:
-                _pack(b, flat)
-        handle = start_bucket(b.kind, flat, global_src, group)
+        started = _start(b, pool, rank == src, global_src, group)
         if b.direct:  # no buffer held: no need to wait before issuing more
-            direct.append((b, flat, handle))
+            direct.append(started)
             continue
-        pending.append((b, flat, handle))
+        pending.append(started)
         while len(pending) >= max(1, max_in_flight):
-            ob, oflat, oh = pending.popleft()
-            oh.wait()
-            _finish(ob, oflat, rank, src, ws)
-            pool.give(oflat)
-    for ob, oflat, oh in [*pending, *direct]:
-        oh.wait()
-        _finish(ob, oflat, rank, src, ws)
-        if not ob.direct:
-            pool.give(oflat)
+            _land(pending.popleft(), pool, rank, src, ws)
+    for started in [*pending, *direct]:
+        _land(started, pool, rank, src, ws)
+
+
+def _start(b: _Bucket, pool: _Pool, is_src: bool, global_src: int,
+           group: Optional[Any]) -> _InFlight:
+    """Pack ``b`` where this rank contributes, then issue its collective."""
+    if b.direct:
+        flat = b.tensors[0]
+    else:
+        flat = pool.take(b.device, b.wire, b.numel)
+        if b.kind == "mean" or is_src:
+            _pack(b, flat)
+    return b, flat, start_bucket(b.kind, flat, global_src, group)
+
+
+def _land(started: _InFlight, pool: _Pool, rank: int, src: int, ws: int) -> None:
+    """Wait for one collective, finish its bucket, give its buffer back to the pool."""
+    b, flat, work = started
+    work.wait()
+    _finish(b, flat, rank, src, ws)
+    if not b.direct:
+        pool.give(flat)
