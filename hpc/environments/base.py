@@ -1,4 +1,5 @@
-"""The :class:`DistInfo` record and the :class:`Environment` interface.
+"""The :class:`DistInfo` record, the :class:`Environment` interface and its
+:class:`TableEnvironment` base for launchers described by a variable table.
 
 An environment is a pure translation of one launcher's variables into a
 :class:`DistInfo`. ``detect(environ)`` says whether the launcher is present and
@@ -14,8 +15,8 @@ from typing import ClassVar, Optional
 
 from hpc.errors import LaunchEnvironmentError
 
-__all__ = ["DistInfo", "Environment", "env_int", "master_port", "derive_port", "PORT_BASE",
-           "PORT_SPAN"]
+__all__ = ["DistInfo", "Environment", "TableEnvironment", "env_int", "master_port",
+           "derive_port", "PORT_BASE", "PORT_SPAN"]
 
 #: Derived master ports live in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
 #: ephemeral range (32768-60999) so a derived port is never taken by an outgoing socket.
@@ -123,6 +124,57 @@ class Environment:
     def read(environ: Mapping[str, str]) -> DistInfo:  # pragma: no cover - interface
         """Translate ``environ`` into a :class:`DistInfo`."""
         raise NotImplementedError
+
+
+class TableEnvironment(Environment):
+    """A launcher described by a table: :attr:`fields` names the variable behind each
+    :class:`DistInfo` field (submitit's ``_env``) and one generic reader does the rest.
+
+    ``detect`` is true when the world-size variable is set. The launcher does not export
+    the node index: with the usual block mapping (equal ranks per node, filled in order)
+    it is ``rank // local_world_size``, and the node count, when the table has none, is
+    ``ceil(world_size / local_world_size)``. ``MASTER_ADDR``/``MASTER_PORT`` are read
+    when set.
+    """
+
+    #: DistInfo field -> variable. ``world_size``, ``rank``, ``local_rank`` and
+    #: ``local_world_size`` are required; ``num_nodes`` and ``job_id`` are optional.
+    fields: ClassVar[Mapping[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.fields:
+            cls.rank_var = cls.fields["rank"]  # named in cross-launcher rank errors
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str]) -> bool:
+        return cls.fields["world_size"] in environ
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str]) -> DistInfo:
+        var, src = cls.fields, cls.name
+        world = env_int(environ, var["world_size"], source=src)
+        rank = env_int(environ, var["rank"], source=src)
+        local_rank = env_int(environ, var["local_rank"], source=src)
+        lws = env_int(environ, var["local_world_size"], source=src)
+        # A ragged layout still gets correct ranks; only node_rank is approximate there.
+        num_nodes = 0
+        if "num_nodes" in var:
+            num_nodes = env_int(environ, var["num_nodes"], default=0, source=src)
+        if num_nodes <= 0:
+            num_nodes = max(1, -(-world // lws))
+        return DistInfo(
+            launcher=src,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            local_world_size=lws,
+            node_rank=min(rank // lws, num_nodes - 1),
+            num_nodes=num_nodes,
+            master_addr=environ.get("MASTER_ADDR") or None,
+            master_port=master_port(environ, src),
+            job_id=environ.get(var["job_id"]) if "job_id" in var else None,
+        )
 
 
 def env_int(environ: Mapping[str, str], key: str, default: Optional[int] = None,

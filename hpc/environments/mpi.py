@@ -29,61 +29,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from hpc.environments.base import DistInfo, Environment, env_int, master_port
+from hpc.environments.base import TableEnvironment
 
 __all__ = ["OpenMPIEnvironment", "HydraEnvironment", "MVAPICH2Environment"]
 
 
-class _MPIEnvironment(Environment):
-    """An MPI process manager: :attr:`variables` names the variable behind each field
-    (submitit's ``_env`` table) and one reader does the rest."""
-
-    #: DistInfo field -> variable. ``world_size``, ``rank``, ``local_rank`` and
-    #: ``local_world_size`` are required; ``num_nodes`` and ``job_id`` are optional.
-    variables: ClassVar[Mapping[str, str]] = {}
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.rank_var = cls.variables["rank"]  # named in cross-launcher rank errors
-
-    @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
-        return cls.variables["world_size"] in environ
-
-    @classmethod
-    def read(cls, environ: Mapping[str, str]) -> DistInfo:
-        var, src = cls.variables, cls.name
-        world = env_int(environ, var["world_size"], source=src)
-        rank = env_int(environ, var["rank"], source=src)
-        local_rank = env_int(environ, var["local_rank"], source=src)
-        lws = env_int(environ, var["local_world_size"], source=src)
-        # MPI does not export the node index; with the usual block mapping (equal ranks
-        # per node, filled in order) it is rank // local size. A ragged layout still gets
-        # correct ranks; only node_rank is approximate there.
-        num_nodes = 0
-        if "num_nodes" in var:
-            num_nodes = env_int(environ, var["num_nodes"], default=0, source=src)
-        if num_nodes <= 0:
-            num_nodes = max(1, -(-world // lws))
-        return DistInfo(
-            launcher=src,
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world,
-            local_world_size=lws,
-            node_rank=min(rank // lws, num_nodes - 1),
-            num_nodes=num_nodes,
-            master_addr=environ.get("MASTER_ADDR") or None,
-            master_port=master_port(environ, src),
-            job_id=environ.get(var["job_id"]) if "job_id" in var else None,
-        )
-
-
-class OpenMPIEnvironment(_MPIEnvironment):
+class OpenMPIEnvironment(TableEnvironment):
     """Open MPI's ``mpirun``/``mpiexec`` (ORTE or PRRTE)."""
 
     name = "openmpi"
-    variables = {
+    fields: ClassVar[Mapping[str, str]] = {
         "world_size": "OMPI_COMM_WORLD_SIZE",
         "rank": "OMPI_COMM_WORLD_RANK",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -93,11 +48,11 @@ class OpenMPIEnvironment(_MPIEnvironment):
     }
 
 
-class MVAPICH2Environment(_MPIEnvironment):
+class MVAPICH2Environment(TableEnvironment):
     """MVAPICH2's ``mpirun_rsh``/``mpiexec``."""
 
     name = "mvapich2"
-    variables = {
+    fields: ClassVar[Mapping[str, str]] = {
         "world_size": "MV2_COMM_WORLD_SIZE",
         "rank": "MV2_COMM_WORLD_RANK",
         "local_rank": "MV2_COMM_WORLD_LOCAL_RANK",
@@ -105,11 +60,11 @@ class MVAPICH2Environment(_MPIEnvironment):
     }
 
 
-class HydraEnvironment(_MPIEnvironment):
+class HydraEnvironment(TableEnvironment):
     """MPICH and Intel MPI ``mpiexec`` (the hydra process manager)."""
 
     name = "mpich"
-    variables = {
+    fields: ClassVar[Mapping[str, str]] = {
         "world_size": "PMI_SIZE",
         "rank": "PMI_RANK",
         "local_rank": "MPI_LOCALRANKID",
