@@ -1,7 +1,8 @@
 """What :func:`hpc.init_torch` runs, in call order.
 
 * :mod:`hpc.bootstrap.distributed` — ``init_torch``/``teardown``, export, roles, barriers;
-* :mod:`hpc.bootstrap.preflight` — the master address and the pre-flight before init;
+* :mod:`hpc.bootstrap.master` — the master address where the launcher gives none;
+* :mod:`hpc.bootstrap.preflight` — the pre-flight before init (all ranks joined, no GPU shared);
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
 * :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first.
 

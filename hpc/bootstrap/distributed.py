@@ -141,13 +141,13 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         return _STATE["info"]
     import torch.distributed as dist
 
-    from hpc.bootstrap import preflight as rendezvous
+    from hpc.bootstrap import master, preflight
 
     env = os.environ if environ is None else environ
     info = detect(env)
     if info.launcher == "mpi4py":
-        info = rendezvous.from_mpi4py()
-    info = rendezvous.resolve_master(info, env)
+        info = master.from_mpi4py()
+    info = master.resolve_master(info, env)
     for warning in info.warnings:
         logger.warning("%s", warning)
     export_env(info)
@@ -167,7 +167,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
                 from hpc.bootstrap import gpubind
 
                 gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
-            store = rendezvous.preflight(info, connect_timeout, timeout, env, gpu=gpu)
+            store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu)
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev
@@ -175,7 +175,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
                                 rank=info.rank, world_size=info.world_size, timeout=timeout,
                                 **kwargs)
         if info.world_size > 1:
-            rendezvous.confirm_init(store, info, connect_timeout)
+            preflight.confirm_init(store, info, connect_timeout)
     _STATE.update(info=info, device=dev)
     if not _STATE["atexit"]:
         atexit.register(teardown)

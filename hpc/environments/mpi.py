@@ -1,7 +1,7 @@
 """MPI launchers: Open MPI ``mpirun``, MPICH/Intel MPI ``mpiexec`` (hydra), MVAPICH2.
 
 MPI ranks carry no master address. :func:`hpc.init_torch` resolves it (see
-:func:`hpc.bootstrap.preflight.resolve_master`): ``MASTER_ADDR``/``MASTER_PORT`` if set, else
+:func:`hpc.bootstrap.master.resolve_master`): ``MASTER_ADDR``/``MASTER_PORT`` if set, else
 rank 0's address and a free port broadcast through mpi4py, else ``127.0.0.1`` when all
 ranks share one node, else the first host of the Slurm allocation.
 

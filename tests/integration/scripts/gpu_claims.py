@@ -15,21 +15,22 @@ import socket
 import sys
 from datetime import timedelta
 
-from hpc.bootstrap import preflight as rendezvous
+from hpc.bootstrap.gpubind import GpuClaim
+from hpc.bootstrap.master import resolve_master
+from hpc.bootstrap.preflight import preflight
 from hpc.environments import detect
 from hpc.errors import HPCError
-from hpc.bootstrap.gpubind import GpuClaim
 
 
 def main() -> int:
     same = sys.argv[1:] == ["--same"]
-    info = rendezvous.resolve_master(detect(), os.environ)
+    info = resolve_master(detect(), os.environ)
     uuid = "GPU-0f0e0d0c-fake" if same else f"GPU-0f0e0d0c-fake-{info.local_rank}"
     claim = GpuClaim(rank=info.rank, local_rank=info.local_rank, host=socket.gethostname(),
                      index=0, uuid=uuid, name="Fake GPU 80GB",
                      visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
-        store = rendezvous.preflight(info, 30.0, timedelta(seconds=30), gpu=claim)
+        store = preflight(info, 30.0, timedelta(seconds=30), gpu=claim)
     except HPCError as e:
         print(f"RESULT raised {type(e).__name__} rank={info.rank}", flush=True)
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hpc.bootstrap.preflight import launcher_pid, resolve_master
+from hpc.bootstrap.master import launcher_pid, resolve_master
 from hpc.environments import detect
 from hpc.environments.base import PORT_BASE, PORT_SPAN, DistInfo, derive_port
 from hpc.errors import MasterAddressError
