@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import IO, Optional
 
 from hpc.bootstrap.failure import read_mark
-from hpc.bootstrap.master import free_port
+from hpc.environments.base import free_port
 
 __all__ = ["run", "rank_env"]
 

@@ -4,24 +4,32 @@
 An environment is a pure translation of one launcher's variables into a
 :class:`DistInfo`. ``detect(environ)`` says whether the launcher is present and
 ``read(environ)`` does the translation; neither touches ``os.environ``, the network or
-mpi4py, so both are tested with plain dicts.
+mpi4py, so both are tested with plain dicts. Only the optional ``master(info, environ)``
+hook, called at init time by :func:`hpc.bootstrap.master.resolve_master`, may look
+further (sockets, ``/proc``, mpi4py) to find a master address the launcher does not
+export; :func:`node_local_master` and :func:`free_port` are its helpers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 from collections.abc import Mapping
 from typing import ClassVar, Optional
 
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["DistInfo", "Environment", "TableEnvironment", "env_int", "master_port",
-           "derive_port", "PORT_BASE", "PORT_SPAN"]
+           "derive_port", "free_port", "launcher_pid", "node_local_master", "PORT_BASE",
+           "PORT_SPAN"]
 
 #: Derived master ports live in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
 #: ephemeral range (32768-60999) so a derived port is never taken by an outgoing socket.
 PORT_BASE = 15000
 PORT_SPAN = 17000
+#: Process names of MPI process managers, searched by :func:`launcher_pid`.
+_PROCESS_MANAGERS = ("hydra_pmi_proxy", "orted", "prted", "mpirun", "mpiexec", "prterun")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +133,20 @@ class Environment:
         """Translate ``environ`` into a :class:`DistInfo`."""
         raise NotImplementedError
 
+    @classmethod
+    def master(cls, info: DistInfo, environ: Mapping[str, str]) -> Optional[DistInfo]:
+        """This launcher's own fallback for a master address it did not export.
+
+        Called at init time by :func:`hpc.bootstrap.master.resolve_master`, never by
+        ``detect``/``read``, and only for more than one rank with ``master_addr`` or
+        ``master_port`` unknown. It may import mpi4py (lazily, inside) or read ``/proc``.
+
+        Returns:
+            ``info`` with both filled in, or None: no fallback of this launcher (the
+            caller then raises :class:`~hpc.errors.MasterAddressError`).
+        """
+        return None
+
 
 class TableEnvironment(Environment):
     """A launcher described by a table: :attr:`fields` names the variable behind each
@@ -215,3 +237,47 @@ def derive_port(*parts: object) -> int:
         value = int(text) if text.isdigit() else sum(ord(c) * 131 ** i for i, c in enumerate(text))
         acc = acc * 64 + value
     return PORT_BASE + acc % PORT_SPAN
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that is free on this host right now (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_pid(pid: Optional[int] = None) -> int:
+    """Pid of the nearest MPI process manager above ``pid`` (Linux), else the parent.
+
+    All ranks of one node share it, even when each rank is wrapped in a shell.
+    """
+    pid = os.getpid() if pid is None else pid
+    parent = os.getppid()
+    for _ in range(32):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+                stat = fh.read()
+        except OSError:
+            return parent
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if pid != os.getpid() and comm.startswith(_PROCESS_MANAGERS):
+            return pid
+        if ppid <= 1:
+            return parent
+        pid = ppid
+    return parent
+
+
+def node_local_master(info: DistInfo) -> Optional[DistInfo]:
+    """Every rank on this node: ``127.0.0.1`` and a port derived from the job, else None.
+
+    The job id when the launcher names one (Open MPI does), else the process manager's
+    pid (:func:`launcher_pid`), which all local ranks share and concurrent ``mpiexec``
+    runs in one allocation do not. Known values are kept.
+    """
+    if info.local_world_size != info.world_size:
+        return None
+    ident = info.job_id or launcher_pid()
+    return info.replace(master_addr=info.master_addr or "127.0.0.1",
+                        master_port=info.master_port or derive_port("mpi", ident))

@@ -32,10 +32,17 @@ from collections.abc import Mapping
 
 import hostlist
 
-from hpc.environments.base import DistInfo, Environment, derive_port, env_int
+from hpc.environments.base import (
+    DistInfo,
+    Environment,
+    derive_port,
+    env_int,
+    node_local_master,
+)
 from hpc.errors import LaunchEnvironmentError
 
-__all__ = ["SlurmEnvironment", "expand_hostnames", "expand_tasks_per_node", "slurm_port"]
+__all__ = ["SlurmEnvironment", "allocation_master", "expand_hostnames", "expand_tasks_per_node",
+           "slurm_port"]
 
 _TPN = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 # SLURM_STEP_ID of the batch and extern steps (SLURM_BATCH_SCRIPT / SLURM_EXTERN_CONT).
@@ -85,6 +92,18 @@ def slurm_port(environ: Mapping[str, str]) -> int:
     if step in _SPECIAL_STEPS:  # keep special steps off the slots of srun steps 0..
         step = str(4090 + int(step) - 4294967290)
     return derive_port(job, step)
+
+
+def allocation_master(info: DistInfo, environ: Mapping[str, str]) -> DistInfo | None:
+    """Inside a Slurm job: the first host of the allocation and a port derived from the
+    job id (the fallback of launchers started inside ``sbatch``/``salloc``), else None.
+    Known values are kept."""
+    job = environ.get("SLURM_JOB_ID")
+    if not (job and environ.get("SLURM_JOB_NODELIST")):
+        return None
+    host = expand_hostnames(environ["SLURM_JOB_NODELIST"])[0]
+    return info.replace(master_addr=info.master_addr or host,
+                        master_port=info.master_port or derive_port(job, "mpi"))
 
 
 def in_step(environ: Mapping[str, str]) -> bool:
@@ -152,6 +171,11 @@ class SlurmEnvironment(Environment):
             master_port=port,
             job_id=f"{job}.{environ.get('SLURM_STEP_ID', environ.get('SLURM_STEPID'))}",
         )
+
+    @classmethod
+    def master(cls, info: DistInfo, environ: Mapping[str, str]) -> DistInfo | None:
+        # Only a step without any nodelist gets here (the port is always derived).
+        return node_local_master(info) or allocation_master(info, environ)
 
 
 def _batch_script(environ: Mapping[str, str], job: str | None, port: int) -> DistInfo:

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from hpc.environments.base import DistInfo, Environment, env_int, master_port
+from hpc.environments.base import (
+    DistInfo,
+    Environment,
+    env_int,
+    master_port,
+    node_local_master,
+)
+from hpc.environments.slurm import allocation_master
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["TorchrunEnvironment", "parse_local_rank"]
@@ -68,6 +75,11 @@ class TorchrunEnvironment(Environment):
             master_port=master_port(environ, src),
             job_id=environ.get("TORCHELASTIC_RUN_ID") or environ.get("HPC_RUN_ID"),
         )
+
+    @classmethod
+    def master(cls, info: DistInfo, environ: Mapping[str, str]) -> DistInfo | None:
+        # torchrun and `hpc run` export both; RANK/WORLD_SIZE set by hand may lack them.
+        return node_local_master(info) or allocation_master(info, environ)
 
 
 def parse_local_rank(argv: Sequence[str]) -> tuple[int | None, list[str]]:

@@ -106,7 +106,7 @@ def _single(env_extra: dict[str, str], timeout: float = 60) -> tuple[subprocess.
 
 @pytest.mark.timeout(60)
 def test_unreachable_master_fails_fast() -> None:
-    from hpc.bootstrap.master import free_port
+    from hpc.environments.base import free_port
 
     port = free_port("127.0.0.1")  # nobody listens there
     proc, elapsed = _single({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
@@ -128,7 +128,7 @@ def test_unresolvable_master_fails_at_once() -> None:
 
 @pytest.mark.timeout(60)
 def test_missing_ranks_are_named() -> None:
-    from hpc.bootstrap.master import free_port
+    from hpc.environments.base import free_port
 
     proc, elapsed = _single({"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0",
                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
@@ -163,7 +163,7 @@ def test_plain_python_is_one_process_and_exits_cleanly() -> None:
 @pytest.mark.parametrize("kind", ["openmpi", "mpich"])
 def test_bin_mpirun_wrapper_with_hostfile(kind: str, tmp_path: Path) -> None:
     """bin/hpc-mpirun passes the hostfile's first host as master: no mpi4py needed."""
-    from hpc.bootstrap.master import free_port
+    from hpc.environments.base import free_port
 
     prefix, env = launcher(kind, tmp_path, 2, with_mpi4py=False)
     hostfile = tmp_path / "hosts"

@@ -7,9 +7,15 @@ from typing import Any
 
 import pytest
 
-from hpc.bootstrap.master import launcher_pid, resolve_master
+from hpc.bootstrap.master import resolve_master
 from hpc.environments import detect
-from hpc.environments.base import PORT_BASE, PORT_SPAN, DistInfo, derive_port
+from hpc.environments.base import (
+    PORT_BASE,
+    PORT_SPAN,
+    DistInfo,
+    derive_port,
+    launcher_pid,
+)
 from hpc.errors import MasterAddressError
 from tests.unit.envdumps import load
 
@@ -71,3 +77,25 @@ def test_resolve_master_known_or_single() -> None:
     assert resolve_master(known, {}) is known
     single = resolve_master(DistInfo(launcher="openmpi"), {})
     assert single.master_addr == "127.0.0.1"
+
+
+@pytest.mark.usefixtures("no_mpi4py")
+def test_resolve_master_asks_the_launchers_hook() -> None:
+    # Hand-set torchrun variables without MASTER_*: the same fallbacks as before the
+    # hooks (every rank here, else the Slurm allocation), now in torchrun.py.
+    torchrun = mpi_info(1, 4, 4, launcher="torchrun")
+    assert resolve_master(torchrun, {}).master_addr == "127.0.0.1"
+    spread = mpi_info(3, 4, 2, launcher="slurm", master_port=15001)
+    environ = {"SLURM_JOB_ID": "30", "SLURM_JOB_NODELIST": "node[3-4]"}
+    assert (resolve_master(spread, environ).master_addr,
+            resolve_master(spread, environ).master_port) == ("node3", 15001)
+    # mpi4py layouts take the MPI hook; an unknown launcher has no fallback.
+    assert resolve_master(mpi_info(1, 4, 4, launcher="mpi4py"), {}).master_addr == "127.0.0.1"
+    with pytest.raises(MasterAddressError):
+        resolve_master(mpi_info(1, 4, 4, launcher="lsf"), {})
+
+
+def test_environment_master_hook_defaults_to_none() -> None:
+    from hpc.environments.local import LocalEnvironment
+
+    assert LocalEnvironment.master(mpi_info(1, 4, 4, launcher="local"), {}) is None
