@@ -141,16 +141,8 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         return _STATE["info"]
     import torch.distributed as dist
 
-    from hpc.bootstrap import master, preflight
-
     env = os.environ if environ is None else environ
-    info = detect(env)
-    if info.launcher == "mpi4py":
-        info = master.from_mpi4py()
-    info = master.resolve_master(info, env)
-    for warning in info.warnings:
-        logger.warning("%s", warning)
-    export_env(info)
+    info = _resolve(env)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if connect_timeout is None:
@@ -159,32 +151,63 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     if seed is not None:
         seed_everything(seed)
     if not dist.is_initialized():
-        if info.world_size == 1:
-            store = dist.HashStore()
-        else:
-            gpu = None
-            if backend == "nccl" and dev.type == "cuda":
-                from hpc.bootstrap import gpubind
-
-                gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
-            store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu)
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = dev
-        dist.init_process_group(backend, store=dist.PrefixStore("hpc/pg", store),
-                                rank=info.rank, world_size=info.world_size, timeout=timeout,
-                                **kwargs)
-        if info.world_size > 1:
-            preflight.confirm_init(store, info, connect_timeout)
+        _init_process_group(info, backend, dev, timeout, connect_timeout, env)
     _STATE.update(info=info, device=dev)
-    if not _STATE["atexit"]:
-        atexit.register(teardown)
-        _STATE["atexit"] = True
-        from hpc.bootstrap import failure
-
-        failure.install(info.rank, env)  # after teardown's handler: runs before it
+    _register_exit(info.rank, env)
     logger.info("initialised %s, backend %s, device %s", info.describe(), backend, dev)
     return info
+
+
+def _resolve(env: Mapping[str, str]) -> DistInfo:
+    """Detect the launch, resolve the master, log the reader's warnings, export it."""
+    from hpc.bootstrap import master
+
+    info = detect(env)
+    if info.launcher == "mpi4py":
+        info = master.from_mpi4py()
+    info = master.resolve_master(info, env)
+    for warning in info.warnings:
+        logger.warning("%s", warning)
+    export_env(info)
+    return info
+
+
+def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedelta,
+                        connect_timeout: float, env: Mapping[str, str]) -> None:
+    """The pre-flight (more than one rank), ``init_process_group`` on its store, and
+    the wait until every rank has finished that."""
+    import torch.distributed as dist
+
+    from hpc.bootstrap import preflight
+
+    if info.world_size == 1:
+        store = dist.HashStore()
+    else:
+        gpu = None
+        if backend == "nccl" and dev.type == "cuda":
+            from hpc.bootstrap import gpubind
+
+            gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
+        store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend, store=dist.PrefixStore("hpc/pg", store),
+                            rank=info.rank, world_size=info.world_size, timeout=timeout,
+                            **kwargs)
+    if info.world_size > 1:
+        preflight.confirm_init(store, info, connect_timeout)
+
+
+def _register_exit(rank: int, env: Mapping[str, str]) -> None:
+    """Once per process: teardown at exit, and the failure marks (which run first)."""
+    if _STATE["atexit"]:
+        return
+    atexit.register(teardown)
+    _STATE["atexit"] = True
+    from hpc.bootstrap import failure
+
+    failure.install(rank, env)  # after teardown's handler: runs before it
 
 
 def teardown() -> None:

@@ -36,8 +36,11 @@ __all__ = ["confirm_init", "preflight"]
 logger = logging.getLogger(__name__)
 
 
-def _probe(addr: str, port: int, rank: int, deadline: float) -> None:
-    """Wait until ``addr:port`` accepts TCP connections, or fail at ``deadline``."""
+def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> None:
+    """Wait until ``addr:port`` accepts TCP connections, or fail at ``deadline``.
+
+    ``start`` is when the pre-flight began (``time.monotonic()``), for the message.
+    """
     last: Exception | None = None
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
@@ -61,7 +64,7 @@ def _probe(addr: str, port: int, rank: int, deadline: float) -> None:
         if time.monotonic() >= deadline:
             raise RendezvousError(
                 f"rank {rank}: master {addr}:{port} is unreachable ({last}) after "
-                f"waiting {_since(deadline)}.\n"
+                f"waiting {deadline - start:.1f}s.\n"
                 "Rank 0 never opened its store there: it did not start, crashed before "
                 "init, runs on another host than MASTER_ADDR names, or a firewall blocks "
                 "the port.\n"
@@ -69,13 +72,6 @@ def _probe(addr: str, port: int, rank: int, deadline: float) -> None:
                 "same on every rank and reachable (HPC_CONNECT_TIMEOUT sets this wait)."
             ) from last
         time.sleep(0.02)
-
-
-_START: dict[str, float] = {}
-
-
-def _since(deadline: float) -> str:
-    return f"{deadline - _START.get('t', deadline):.1f}s"
 
 
 def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
@@ -94,23 +90,39 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
             missing at the deadline, or two processes claim the same rank.
         LaunchEnvironmentError: two ranks would share one GPU under nccl (every rank).
     """
-    import torch.distributed as dist
-
     addr, port = info.master_addr, info.master_port
     assert addr and port, "resolve_master() runs first"
     start = time.monotonic()
-    _START["t"] = start
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
+    store = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
+    _join(store, info, gpu)
+    if info.rank == 0:
+        _master_wait(store, info, addr, port, deadline, start)
+    else:
+        _worker_wait(store, info, addr, port, deadline + 10.0)
+    logger.debug("pre-flight done in %.3fs", time.monotonic() - start)
+    return store
+
+
+def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
+                pg_timeout: timedelta, window: tuple[float, float]) -> Any:
+    """Rank 0's TCPStore: served by rank 0, or by the torchrun agent; the others join.
+
+    ``window`` is the pre-flight's ``(start, deadline)`` in ``time.monotonic()`` time.
+    """
+    import torch.distributed as dist
+
+    start, deadline = window
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if agent_store:
-        _probe(addr, port, info.rank, deadline)
+        _probe(addr, port, info.rank, start, deadline)
         store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
-        store = dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    elif info.rank == 0:
+        return dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if info.rank == 0:
         try:
-            store = dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
-                                  wait_for_workers=False)
+            return dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
+                                 wait_for_workers=False)
         except Exception as e:  # DistNetworkError: bind failed
             raise RendezvousError(
                 f"rank 0: cannot listen on {addr}:{port}: {e}.\n"
@@ -118,29 +130,27 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
                 "HINT: export MASTER_PORT=<a free port> (the derived port is documented "
                 "under 'Master port' in the launching guide)."
             ) from e
-    else:
-        _probe(addr, port, info.rank, deadline)
-        store = dist.TCPStore(addr, port, None, False,
-                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "local_rank": info.local_rank,
-          "world_size": info.world_size}
+    _probe(addr, port, info.rank, start, deadline)
+    return dist.TCPStore(addr, port, None, False,
+                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+
+
+def _join(store: Any, info: DistInfo, gpu: Optional[gpubind.GpuClaim]) -> None:
+    """Claim this rank's slot (refusing a second claimant), publish the GPU, report in."""
     if store.add(f"hpc/pf/claim/{info.rank}", 1) != 1:
         raise RendezvousError(
-            f"rank {info.rank}: another process already joined {addr}:{port} as rank "
-            f"{info.rank}.\nTwo launches share the master port, or RANK was exported by "
-            "hand so several processes carry the same rank.\n"
+            f"rank {info.rank}: another process already joined "
+            f"{info.master_addr}:{info.master_port} as rank {info.rank}.\nTwo launches "
+            "share the master port, or RANK was exported by hand so several processes "
+            "carry the same rank.\n"
             "HINT: unset RANK/LOCAL_RANK in the job script; give concurrent jobs distinct "
             "MASTER_PORTs."
         )
     if gpu is not None:
         gpubind.publish(store, gpu)  # before joining: rank 0 then sees every claim
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "local_rank": info.local_rank,
+          "world_size": info.world_size}
     store.set(f"hpc/pf/{info.rank}", json.dumps(me))
-    if info.rank == 0:
-        _master_wait(store, info, addr, port, deadline, start)
-    else:
-        _worker_wait(store, info, addr, port, deadline + 10.0)
-    logger.debug("pre-flight done in %.3fs", time.monotonic() - start)
-    return store
 
 
 def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
