@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 
 import pytest
 
+from hpc.bootstrap.distributed import EXPORTED
+from hpc.environments import ORDER, OVERRIDE_VARIABLE
+
+
+def _launcher_vars() -> re.Pattern[str]:
+    """What the environments in ORDER declare they read, what export_env writes, and
+    HPC_LAUNCHER: a new launcher extends this by declaring its own variables."""
+    names = {v for env in ORDER for v in env.variables} | set(EXPORTED) | {OVERRIDE_VARIABLE}
+    patterns = {p for env in ORDER for p in env.patterns}
+    names = {n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    alternatives = [re.escape(p).replace(r"\*", r"\w+") for p in sorted(patterns)]
+    alternatives += [re.escape(n) for n in sorted(names)]
+    return re.compile("^(" + "|".join(alternatives) + ")$")
+
+
 #: Variables any launcher reads; tests must not inherit them nor leave them behind.
-LAUNCHER_VARS = re.compile(
-    r"^(SLURM_\w+|OMPI_\w+|PMI_\w+|PMIX_\w+|MPI_LOCAL\w+|MV2_\w+|HYDI_\w+|TORCHELASTIC_\w+|"
-    r"RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|NODE_RANK|NNODES|"
-    r"MASTER_ADDR|MASTER_PORT|HPC_LAUNCHER|HPC_RUN_ID)$"
-)
+LAUNCHER_VARS = _launcher_vars()
 
 
 @pytest.fixture(autouse=True)

@@ -42,6 +42,20 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_CONNECT_TIMEOUT = 120.0
 
 
+def _torchrun_values(info: DistInfo) -> dict[str, object]:
+    """What :func:`export_env` writes: torchrun's variable -> value (None: left alone)."""
+    return {
+        "MASTER_ADDR": info.master_addr, "MASTER_PORT": info.master_port,
+        "RANK": info.rank, "WORLD_SIZE": info.world_size, "LOCAL_RANK": info.local_rank,
+        "LOCAL_WORLD_SIZE": info.local_world_size, "GROUP_RANK": info.node_rank,
+        "NODE_RANK": info.node_rank, "NNODES": info.num_nodes,
+    }
+
+
+#: The torchrun-style variables :func:`export_env` writes.
+EXPORTED: tuple[str, ...] = tuple(_torchrun_values(DistInfo(launcher="local")))
+
+
 def export_env(info: DistInfo, environ: Optional[MutableMapping[str, str]] = None,
                *, overwrite: bool = False) -> None:
     """Write ``info`` as torchrun-style variables, the one place that does so.
@@ -55,12 +69,7 @@ def export_env(info: DistInfo, environ: Optional[MutableMapping[str, str]] = Non
             ``overwrite`` is False; the message shows both values.
     """
     env = os.environ if environ is None else environ
-    values = {
-        "MASTER_ADDR": info.master_addr, "MASTER_PORT": info.master_port,
-        "RANK": info.rank, "WORLD_SIZE": info.world_size, "LOCAL_RANK": info.local_rank,
-        "LOCAL_WORLD_SIZE": info.local_world_size, "GROUP_RANK": info.node_rank,
-        "NODE_RANK": info.node_rank, "NNODES": info.num_nodes,
-    }
+    values = _torchrun_values(info)
     clashes = [
         f"{k}={env[k]} (set) vs {v} (detected from {info.launcher})"
         for k, v in values.items() if v is not None and k in env and env[k] != str(v)

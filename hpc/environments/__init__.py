@@ -45,6 +45,8 @@ ORDER: tuple[type[Environment], ...] = (
 
 #: Extra names accepted by ``HPC_LAUNCHER`` that :func:`hpc.init_torch` handles.
 RUNTIME_LAUNCHERS = ("mpi4py",)
+#: The variable that chooses a launcher by name, overriding detection.
+OVERRIDE_VARIABLE = "HPC_LAUNCHER"
 
 
 def by_name(name: str) -> type[Environment]:
@@ -76,7 +78,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
             (e.g. ``RANK=3`` vs ``SLURM_PROCID=1``), showing both sides.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
-    forced = env.get("HPC_LAUNCHER", "").strip()
+    forced = env.get(OVERRIDE_VARIABLE, "").strip()
     if forced and forced not in RUNTIME_LAUNCHERS:
         return by_name(forced).read(env)
     if forced:  # resolved at init time

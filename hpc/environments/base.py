@@ -37,9 +37,10 @@ class DistInfo:
     """Where this process sits in a distributed launch.
 
     Attributes:
-        launcher: Name of the environment that produced this record
-            (``torchrun``, ``hpc-run``, ``slurm``, ``openmpi``, ``mpich``, ``mvapich2``,
-            ``pmix``, ``mpi4py``, ``local``).
+        launcher: Name of the environment that produced this record: the ``name`` of
+            the environment in :data:`hpc.environments.ORDER` that matched (or that
+            ``HPC_LAUNCHER`` chose), ``hpc-run`` for torchrun's reader under ``hpc run``,
+            or ``mpi4py``.
         rank: Global rank, ``0 <= rank < world_size``.
         local_rank: Rank among the processes of this node.
         world_size: Number of processes in the job.
@@ -122,6 +123,11 @@ class Environment:
     name: ClassVar[str] = ""
     #: The variable holding the global rank, named in inconsistency errors.
     rank_var: ClassVar[str] = ""
+    #: The variables ``detect``/``read`` look at, beyond those of ``patterns``.
+    variables: ClassVar[tuple[str, ...]] = ()
+    #: Shell-style patterns (``SLURM_*``) of this launcher's own variables: every
+    #: variable they match belongs to it, so tests clear them all.
+    patterns: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:  # pragma: no cover - interface
@@ -167,6 +173,7 @@ class TableEnvironment(Environment):
         super().__init_subclass__(**kwargs)
         if cls.fields:
             cls.rank_var = cls.fields["rank"]  # named in cross-launcher rank errors
+            cls.variables = (*cls.fields.values(), "MASTER_ADDR", "MASTER_PORT")
 
     @classmethod
     def detect(cls, environ: Mapping[str, str]) -> bool:

@@ -17,6 +17,7 @@ class LocalEnvironment(Environment):
     """One process, rank 0 of 1."""
 
     name = "local"
+    variables = ("MASTER_ADDR", "MASTER_PORT")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

@@ -69,6 +69,7 @@ class OpenMPIEnvironment(MPIEnvironment):
     """Open MPI's ``mpirun``/``mpiexec`` (ORTE or PRRTE)."""
 
     name = "openmpi"
+    patterns = ("OMPI_*",)
     fields: ClassVar[Mapping[str, str]] = {
         "world_size": "OMPI_COMM_WORLD_SIZE",
         "rank": "OMPI_COMM_WORLD_RANK",
@@ -83,6 +84,7 @@ class MVAPICH2Environment(MPIEnvironment):
     """MVAPICH2's ``mpirun_rsh``/``mpiexec``."""
 
     name = "mvapich2"
+    patterns = ("MV2_*",)
     fields: ClassVar[Mapping[str, str]] = {
         "world_size": "MV2_COMM_WORLD_SIZE",
         "rank": "MV2_COMM_WORLD_RANK",
@@ -95,6 +97,7 @@ class HydraEnvironment(MPIEnvironment):
     """MPICH and Intel MPI ``mpiexec`` (the hydra process manager)."""
 
     name = "mpich"
+    patterns = ("PMI_*", "MPI_LOCAL*", "HYDI_*")  # HYDI_*: hydra's own control variables
     fields: ClassVar[Mapping[str, str]] = {
         "world_size": "PMI_SIZE",
         "rank": "PMI_RANK",

@@ -117,6 +117,9 @@ class SlurmEnvironment(Environment):
 
     name = "slurm"
     rank_var = "SLURM_PROCID"
+    variables = ("MASTER_ADDR", "MASTER_PORT")
+    # PMIX_*/PMI_*: srun --mpi=pmix/pmi2 steps, compared with SLURM_PROCID.
+    patterns = ("SLURM_*", "PMIX_*", "PMI_*")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

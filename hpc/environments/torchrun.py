@@ -39,6 +39,9 @@ class TorchrunEnvironment(Environment):
 
     name = "torchrun"
     rank_var = "RANK"
+    variables = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT", "HPC_RUN_ID")
+    patterns = ("TORCHELASTIC_*",)
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

@@ -6,13 +6,11 @@ import dataclasses
 
 import pytest
 
-from hpc.bootstrap.distributed import export_env
+from hpc.bootstrap.distributed import EXPORTED, export_env
 from hpc.environments import detect
 from hpc.environments.base import DistInfo
 from hpc.errors import LaunchEnvironmentError
 
-EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")
 INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
                 node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)
 

@@ -19,8 +19,6 @@ from hpc.environments.base import (
 from hpc.errors import MasterAddressError
 from tests.unit.envdumps import load
 
-EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")
 INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
                 node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)
 
