@@ -83,15 +83,24 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     return out
 
 
-def slurm_port(environ: Mapping[str, str]) -> int:
-    """The master port for this job step, see the module docstring."""
+def slurm_port(environ: Mapping[str, str], step: int | None = None) -> int:
+    """The master port for this job step, see the module docstring.
+
+    Args:
+        environ: The job's variables.
+        step: A step slot to use instead of the environment's step id;
+            ``slurm/torchrun.sbatch`` asks for slot 63 (srun steps use 0..62) for its
+            rendezvous, through this same rule.
+    """
     job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
+    if step is not None:
+        return derive_port(job, step)
     # No step id: the batch script (or an salloc shell), which is not step 0 and may run
     # beside it on the same node; it gets the batch step's port.
-    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "4294967294"
-    if step in _SPECIAL_STEPS:  # keep special steps off the slots of srun steps 0..
-        step = str(4090 + int(step) - 4294967290)
-    return derive_port(job, step)
+    step_id = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "4294967294"
+    if step_id in _SPECIAL_STEPS:  # keep special steps off the slots of srun steps 0..
+        step_id = str(4090 + int(step_id) - 4294967290)
+    return derive_port(job, step_id)
 
 
 def allocation_master(info: DistInfo, environ: Mapping[str, str]) -> DistInfo | None:

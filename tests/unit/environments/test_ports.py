@@ -41,3 +41,10 @@ def test_slurm_port() -> None:
     assert batch == slurm_port({"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "4294967294"})
     assert batch not in {slurm_port({"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": str(s)})
                          for s in range(64)}
+
+
+def test_slurm_port_step_slot_for_torchrun_sbatch() -> None:
+    """slurm/torchrun.sbatch's rendezvous: slot 63 of the same rule, whatever the step."""
+    for job in (1, 1234, 265624):
+        for env in ({"SLURM_JOB_ID": str(job)}, {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"}):
+            assert slurm_port(env, step=63) == 15000 + (job * 64 + 63) % 17000
