@@ -1,0 +1,98 @@
+"""hpc.submit.preempt: warning signal -> stop request -> requeue decision, without a job.
+
+Real signals are sent to this process; ``scontrol`` is used where installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from hpc.errors import SubmitError
+from hpc.submit import preempt
+
+
+@pytest.mark.parametrize("name", ["USR2", "SIGUSR2", "usr2", str(int(signal.SIGUSR2))])
+def test_parse_signal_accepts_the_usual_spellings(name: str) -> None:
+    assert preempt.parse_signal(name) == signal.SIGUSR2
+
+
+@pytest.mark.parametrize("name", ["KILL", "STOP", "FOO", "9"])
+def test_parse_signal_rejects_uncatchable_and_unknown_listing_valid(name: str) -> None:
+    with pytest.raises(SubmitError, match=r"HINT: use one of: USR2, USR1"):
+        preempt.parse_signal(name)
+
+
+def test_budget_compares_restart_count_with_max_requeues() -> None:
+    assert preempt.read_budget({}) == preempt.Budget(0, preempt.DEFAULT_MAX_REQUEUES)
+    b = preempt.read_budget({"SLURM_RESTART_COUNT": "2", "HPC_MAX_REQUEUES": "2"})
+    assert (b.restarts, b.max_requeues, b.left) == (2, 2, False)
+    assert preempt.read_budget({"SLURM_RESTART_COUNT": "1", "HPC_MAX_REQUEUES": "2"}).left
+    with pytest.raises(SubmitError, match="HPC_MAX_REQUEUES='x'"):
+        preempt.read_budget({"HPC_MAX_REQUEUES": "x"})
+
+
+def test_guard_turns_a_real_signal_into_a_stop_request() -> None:
+    guard = preempt.PreemptGuard(environ={"HPC_PREEMPT_SIGNAL": "USR2"}).install()
+    try:
+        assert guard() is False
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)  # the Python-level handler runs at the next bytecode boundary
+        assert guard() is True and guard.received_at is not None
+        assert guard.signal_name == "SIGUSR2"
+    finally:
+        guard.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) != guard.request
+
+
+def test_guard_test_sleep_only_in_the_first_runs() -> None:
+    env = {"HPC_TEST_STEP_SLEEP": "0.2", "HPC_TEST_SLEEP_RUNS": "1"}
+    start = time.monotonic()
+    preempt.PreemptGuard(environ=env)()
+    assert time.monotonic() - start >= 0.2
+    start = time.monotonic()
+    preempt.PreemptGuard(environ={**env, "SLURM_RESTART_COUNT": "1"})()
+    assert time.monotonic() - start < 0.1
+
+
+def test_stopped_by_request_is_not_max_steps() -> None:
+    assert preempt.stopped_by_request("stopped", 7, None)
+    assert preempt.stopped_by_request("stopped", 7, 10)
+    assert not preempt.stopped_by_request("stopped", 10, 10)
+    assert not preempt.stopped_by_request("completed", 22, None)
+
+
+def test_requeue_outside_slurm_just_stops() -> None:
+    out = preempt.requeue_after_stop(5, "ck.pt", environ={})
+    assert (out.kind, out.exit_code) == ("not-slurm", 0)
+    assert "rerun the same command" in out.message
+
+
+def test_requeue_budget_exhausted_is_an_error_without_requeue() -> None:
+    called = []
+    out = preempt.requeue_after_stop(
+        5, "ck.pt", before_requeue=lambda: called.append(1),
+        environ={"SLURM_JOB_ID": "1", "SLURM_RESTART_COUNT": "3", "HPC_MAX_REQUEUES": "3"})
+    assert (out.kind, out.exit_code, called) == ("exhausted", 1, [])
+    assert "SLURM_RESTART_COUNT=3 reached HPC_MAX_REQUEUES=3" in out.message
+    assert "HINT: resubmit" in out.message
+
+
+def test_requeue_hook_failure_cancels_the_requeue() -> None:
+    def fail() -> None:
+        raise OSError("disk full")
+
+    out = preempt.requeue_after_stop(5, None, before_requeue=fail,
+                                     environ={"SLURM_JOB_ID": "1"})
+    assert out.kind == "failed" and "disk full" in out.message
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol")
+def test_requeue_of_an_unknown_job_reports_scontrols_error() -> None:
+    out = preempt.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
+    assert out.kind == "failed" and "scontrol requeue 999999999" in out.message
+    assert "HINT:" in out.message
