@@ -1,6 +1,7 @@
 """Slurm jobs through submitit: submit, run on the nodes, watch, survive preemption.
 
-* :mod:`hpc.submit.executor` — :func:`submit`, :class:`SubmitOptions`, the executor;
+* :mod:`hpc.submit.options` — :class:`SubmitOptions` (the schema), extra sbatch options;
+* :mod:`hpc.submit.executor` — :func:`submit` and the submitit executor;
 * :mod:`hpc.submit.cli` — the ``hpc submit`` command line;
 * :mod:`hpc.submit.payload` — what runs on every task of the job;
 * :mod:`hpc.submit.handle` — :class:`SubmittedJob`: logs, watching, the result;
@@ -17,8 +18,8 @@ from hpc._lazy import lazy_attributes
 __all__ = ["submit", "SubmitOptions", "SubmittedJob", "make_executor", "parse_sbatch",
            "sbatch_long_options"]
 
-_LAZY = {"submit": "hpc.submit.executor", "SubmitOptions": "hpc.submit.executor",
-         "make_executor": "hpc.submit.executor", "parse_sbatch": "hpc.submit.executor",
-         "sbatch_long_options": "hpc.submit.executor", "SubmittedJob": "hpc.submit.handle"}
+_LAZY = {"submit": "hpc.submit.executor", "make_executor": "hpc.submit.executor",
+         "SubmitOptions": "hpc.submit.options", "parse_sbatch": "hpc.submit.options",
+         "sbatch_long_options": "hpc.submit.options", "SubmittedJob": "hpc.submit.handle"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
