@@ -2,6 +2,6 @@
 
 import sys
 
-from hpc.submit.cli import run
+from hpc.submit.cli import main
 
-sys.exit(run())
+sys.exit(main())

@@ -11,11 +11,11 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from hpc.errors import SubmitError
 
-__all__ = ["add_parser", "main", "run", "parse_time", "split_target"]
+__all__ = ["add_parser", "main", "parse_time", "split_target"]
 
 DESCRIPTION = """Submit `hpc pretrain` (or any module or function) as one multi-node Slurm
 job through submitit: one task per GPU, every task runs the target in-process with the
@@ -156,9 +156,10 @@ def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
     return kind.split(":", 1)[1], rest
 
 
-def main(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     """Run ``hpc submit`` with parsed ``args``; return the exit status."""
-    from hpc.submit import SubmitOptions, parse_sbatch, submit
+    from hpc.submit.executor import submit
+    from hpc.submit.options import SubmitOptions, parse_sbatch
 
     try:
         kind, rest = split_target(args.cmd)
@@ -198,7 +199,7 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _build(p)
     _strict(p)
-    p.set_defaults(func=main)
+    p.set_defaults(func=_run)
 
 
 def _strict(p: argparse.ArgumentParser) -> None:
@@ -222,9 +223,9 @@ def _strict(p: argparse.ArgumentParser) -> None:
     p.parse_known_args = strict  # type: ignore[method-assign]
 
 
-def run(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpc.submit ARGS``: the same as ``hpc submit ARGS``."""
     parser = argparse.ArgumentParser(prog="hpc submit", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _build(parser)
-    return main(parser.parse_args(argv))
+    return _run(parser.parse_args(argv))

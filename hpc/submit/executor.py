@@ -27,16 +27,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shlex
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hpc.errors import SubmitError
 from hpc.submit.options import SubmitOptions, parse_sbatch
 from hpc.submit.preempt import parse_signal
 
-__all__ = ["make_executor", "submit", "add_parser", "main"]
+if TYPE_CHECKING:
+    from hpc.submit.handle import SubmittedJob
+
+__all__ = ["make_executor", "submit"]
 
 
 def make_executor(options: SubmitOptions) -> Any:
@@ -98,7 +100,7 @@ def _callable(target: Any, args: Sequence[str]) -> tuple[Any, Optional[str]]:
 
 
 def submit(target: Any, args: Sequence[str] = (), *,
-           options: Optional[SubmitOptions] = None, **kwargs: Any) -> "SubmittedJob":
+           options: Optional[SubmitOptions] = None, **kwargs: Any) -> SubmittedJob:
     """Submit ``target`` as one multi-node Slurm job; every task runs it in-process.
 
     Args:
@@ -127,29 +129,3 @@ def submit(target: Any, args: Sequence[str] = (), *,
     from hpc.submit.handle import SubmittedJob
 
     return SubmittedJob(job, opts, run_dir=run_dir)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SubmittedJob":  # lazily: it is only needed once a job exists
-        from hpc.submit.handle import SubmittedJob
-
-        return SubmittedJob
-    raise AttributeError(f"module 'hpc.submit' has no attribute {name!r}")
-
-
-def add_parser(sub: Any) -> None:
-    """Register ``hpc submit`` (see :mod:`hpc.submit.cli`; imports neither torch nor submitit)."""
-    from hpc.submit.cli import add_parser as add
-
-    add(sub)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hpc.submit ARGS``: the same as ``hpc submit ARGS``."""
-    from hpc.submit.cli import run
-
-    return run(argv)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hpc.errors import SubmitError
-from hpc.submit.cli import parse_time, split_target
+from hpc.submit.cli import main, parse_time, split_target
 from tests.helpers import ROOT
 
 
@@ -55,3 +55,15 @@ def test_cli_modules_import_neither_torch_nor_submitit() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                          text=True, timeout=60, cwd=ROOT).stdout.strip()
     assert out == "[]"
+
+
+def test_main_takes_argv_and_returns_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--nodes", "1", "--", "train.py"]) == 2  # refused before anything is submitted
+    assert "unknown target 'train.py'" in capsys.readouterr().err
+
+
+def test_executor_does_not_import_the_cli() -> None:
+    code = "import sys, hpc.submit.executor; print('hpc.submit.cli' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                         text=True, timeout=60, cwd=ROOT).stdout.strip()
+    assert out == "False"
