@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from hpc._lazy import lazy_attributes
 
-__all__ = ["submit", "SubmitOptions", "SubmittedJob", "make_executor", "parse_sbatch",
-           "sbatch_long_options"]
+__all__ = ["SubmitOptions", "SubmittedJob", "make_executor", "parse_sbatch",
+           "sbatch_long_options", "submit"]
 
 _LAZY = {"submit": "hpc.submit.executor", "make_executor": "hpc.submit.executor",
          "SubmitOptions": "hpc.submit.options", "parse_sbatch": "hpc.submit.options",

@@ -1,21 +1,25 @@
 """The ``hpc submit`` command line (the API is :mod:`hpc.submit`).
 
-Importing this module imports neither torch nor submitit, so ``hpc --help`` stays fast.
+The flags of the job's layout are the fields of :class:`~hpc.submit.options.SubmitOptions`
+(flag names, help, defaults and types come from the field's metadata); this module adds
+``--wait``, ``--wait-timeout`` and the target. Importing it imports neither torch nor
+submitit, so ``hpc --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
-import math
-import re
 import sys
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 from hpc.errors import SubmitError
+from hpc.submit.options import SubmitOptions
 
-__all__ = ["add_parser", "main", "parse_time", "split_target"]
+__all__ = ["add_parser", "main", "split_target"]
 
 DESCRIPTION = """Submit `hpc pretrain` (or any module or function) as one multi-node Slurm
 job through submitit: one task per GPU, every task runs the target in-process with the
@@ -36,31 +40,6 @@ examples:
   hpc submit --nodes 2 --gpus-per-node 0 --tasks-per-node 4 --wait -- --out runs/cpu
   hpc submit -N 1 --gpus-per-node 2 --sbatch account=proj --sbatch mail-type=END -- -m mypkg.train
 """
-
-
-def parse_time(text: str) -> int:
-    """Slurm time (``MIN``, ``MIN:SS``, ``H:MM:SS``, ``D-H[:MM[:SS]]``) -> whole minutes.
-
-    Raises:
-        argparse.ArgumentTypeError: not a Slurm time, or not positive.
-    """
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a Slurm time: use minutes (90), H:MM:SS (1:30:00) or "
-            "D-HH:MM (1-12:00)")
-    d, a, b, c = (int(g) if g is not None else None for g in m.groups())
-    if d is not None:  # days-hours[:minutes[:seconds]]
-        seconds = ((d * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
-    elif c is not None:  # hours:minutes:seconds
-        seconds = (a * 60 + b) * 60 + c
-    elif b is not None:  # minutes:seconds
-        seconds = a * 60 + b
-    else:  # minutes
-        seconds = a * 60
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"time {text!r} must be positive")
-    return math.ceil(seconds / 60)
 
 
 def split_target(cmd: Sequence[str]) -> tuple[str, list[str]]:
@@ -91,45 +70,26 @@ def split_target(cmd: Sequence[str]) -> tuple[str, list[str]]:
         "`-m pkg.mod [args]`, `pkg.mod:func [args]`.")
 
 
-def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SubmitError(f"{what} {item!r} is not KEY=VALUE.\nHINT: e.g. {what} "
-                              "OMP_NUM_THREADS=4")
-        out[key] = value
-    return out
+def _option_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`~hpc.submit.options.SubmitOptions` field, from its metadata."""
+    hints = typing.get_type_hints(SubmitOptions)
+    for f in dataclasses.fields(SubmitOptions):
+        meta = f.metadata
+        kw = dict(meta["argparse"])
+        default = meta["cli_default"]
+        if default is dataclasses.MISSING:  # a repeatable flag collects into a fresh list
+            default = [] if kw.get("action") == "append" else f.default
+        kind = next((t for t in (hints[f.name], *typing.get_args(hints[f.name]))
+                     if t in (int, float)), None)
+        if kind is not None:
+            kw.setdefault("type", kind)
+        p.add_argument(*meta["flags"], dest=f.name, default=default,
+                       help=meta["help"].format(default=default), **kw)
 
 
 def _build(p: argparse.ArgumentParser) -> None:
-    from hpc.submit.preempt import DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL, VALID_SIGNALS
-
+    _option_flags(p)
     a = p.add_argument
-    a("--nodes", "-N", type=int, default=1, help="nodes (default 1)")
-    a("--gpus-per-node", "-G", type=int, default=0,
-      help="GPUs per node, one task per GPU (default 0: CPU tasks, see --tasks-per-node)")
-    a("--tasks-per-node", type=int, default=None,
-      help="tasks per node (default: --gpus-per-node, or 1 without GPUs)")
-    a("--cpus-per-task", "-c", type=int, default=1, help="CPUs per task (default 1)")
-    a("--partition", "-p", default=None, help="partition (default: the cluster's)")
-    a("--time", "-t", type=parse_time, default=60, metavar="TIME",
-      help="time limit: minutes, H:MM:SS or D-HH:MM (default 60 min)")
-    a("--sbatch", action="append", default=[], metavar="KEY=VALUE",
-      help="extra sbatch option, repeatable (e.g. account=proj, mail-type=END, exclusive)")
-    a("--env", action="append", default=[], metavar="KEY=VALUE",
-      help="variable exported in the job, repeatable")
-    a("--log-dir", default="hpc-logs", metavar="DIR",
-      help="logs and submitit files go to DIR/<job id>/ (default hpc-logs)")
-    a("--name", "-J", default=None, help="job name (default hpc-<target>)")
-    a("--signal", default=DEFAULT_SIGNAL, choices=VALID_SIGNALS,
-      help=f"warning signal before the time limit (default {DEFAULT_SIGNAL}; USR1 may "
-      "clash with NCCL)")
-    a("--signal-delay", type=int, default=120, metavar="S",
-      help="seconds before the time limit the signal comes (default 120)")
-    a("--max-requeues", type=int, default=DEFAULT_MAX_REQUEUES, metavar="N",
-      help=f"requeue budget (HPC_MAX_REQUEUES; default {DEFAULT_MAX_REQUEUES})")
-    a("--python", default=None, help="interpreter on the nodes (default: this one)")
     a("--wait", action="store_true",
       help="follow rank 0's log until the job ends (through requeues); exit with its status")
     a("--wait-timeout", type=float, default=None, metavar="S",
@@ -138,11 +98,23 @@ def _build(p: argparse.ArgumentParser) -> None:
       "| pkg.mod:func [args]")
 
 
+def _options(args: argparse.Namespace, kind: str) -> SubmitOptions:
+    """The :class:`SubmitOptions` the flags describe (each field's ``parse`` applied)."""
+    values = {}
+    for f in dataclasses.fields(SubmitOptions):
+        value, parse = getattr(args, f.name), f.metadata["parse"]
+        values[f.name] = parse(value) if parse is not None else value
+    if values["name"] is None:
+        values["name"] = ("hpc-pretrain" if kind == "pretrain" else
+                          "hpc-" + kind.split(":", 1)[1].split(":")[0].split(".")[-1])
+    return SubmitOptions(**values)
+
+
 def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
     if kind == "pretrain":
-        from hpc.submit.payload import PretrainJob
         from hpc.pretrain.cli import _build as build_pretrain  # the one pretrain parser
         from hpc.pretrain.cli import config_from_args
+        from hpc.submit.payload import PretrainJob
 
         parser = argparse.ArgumentParser(prog="hpc submit ... -- pretrain")
         build_pretrain(parser)
@@ -159,21 +131,11 @@ def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc submit`` with parsed ``args``; return the exit status."""
     from hpc.submit.executor import submit
-    from hpc.submit.options import SubmitOptions, parse_sbatch
 
     try:
         kind, rest = split_target(args.cmd)
         target, targs = _target(kind, rest)
-        name = args.name or ("hpc-pretrain" if kind == "pretrain" else
-                             "hpc-" + kind.split(":", 1)[1].split(":")[0].split(".")[-1])
-        options = SubmitOptions(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-            tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task,
-            partition=args.partition, time_min=args.time, sbatch=parse_sbatch(args.sbatch),
-            log_dir=args.log_dir, name=name, signal=args.signal,
-            signal_delay_s=args.signal_delay, max_requeues=args.max_requeues,
-            env=_pairs(args.env, "--env"), python=args.python)
-        job = submit(target, targs, options=options)
+        job = submit(target, targs, options=_options(args, kind))
     except SubmitError as e:
         print(f"hpc submit: {e}", file=sys.stderr)
         return 2

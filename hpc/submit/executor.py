@@ -29,7 +29,7 @@ import functools
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from hpc.errors import SubmitError
 from hpc.submit.options import SubmitOptions, parse_sbatch
@@ -39,6 +39,30 @@ if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob
 
 __all__ = ["make_executor", "submit"]
+
+
+#: submitit parameters of the ``AutoExecutor`` constructor; the others go to
+#: ``update_parameters``.
+_CONSTRUCTOR = ("slurm_max_num_timeout", "slurm_python")
+#: Fields without a submitit parameter of their own: :func:`make_executor` composes them
+#: (the log folder, the exported variables, the signal and the extra sbatch options).
+COMPOSED = ("sbatch", "env", "log_dir", "signal")
+
+
+def field_parameters(options: SubmitOptions) -> dict[str, Any]:
+    """Each field's submitit parameter (its ``submitit`` metadata) with the field's value.
+
+    A field marked ``omit_unset`` is left out when 0 or None (submitit's default applies).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        param = f.metadata["submitit"]
+        if param is None:
+            continue
+        value = getattr(options, f.metadata["submitit_from"] or f.name)
+        if not (f.metadata["omit_unset"] and not value):
+            out[param] = value
+    return out
 
 
 def make_executor(options: SubmitOptions) -> Any:
@@ -52,37 +76,30 @@ def make_executor(options: SubmitOptions) -> Any:
                           ) from e
     sig = parse_signal(options.signal).name[3:]
     folder = Path(options.log_dir).resolve() / "%j"
+    params = field_parameters(options)
     try:
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                   slurm_max_num_timeout=options.max_requeues,
-                                   slurm_python=options.python)
+                                   **{k: params.pop(k) for k in _CONSTRUCTOR if k in params})
     except RuntimeError as e:
         raise SubmitError(f"submitit cannot use Slurm here: {e}.\n"
                           "HINT: run hpc submit on a login node of the cluster.") from e
     env = {"SUBMITIT_PREEMPT_SIGNAL": sig, "HPC_PREEMPT_SIGNAL": sig,
            "HPC_MAX_REQUEUES": str(options.max_requeues), "PYTHONUNBUFFERED": "1",
            **{k: str(v) for k, v in options.env.items()}}
-    params: dict[str, Any] = dict(
-        name=options.name, nodes=options.nodes, tasks_per_node=options.ntasks_per_node,
-        cpus_per_task=options.cpus_per_task, timeout_min=options.time_min,
-        slurm_signal_delay_s=options.signal_delay_s,
+    ex.update_parameters(
+        **params,
         # submitit writes --signal=<its SUBMITIT_PREEMPT_SIGNAL>@delay; ours wins.
         slurm_additional_parameters={"signal": f"{sig}@{options.signal_delay_s}",
                                      "requeue": True, **parse_sbatch(options.sbatch)},
         slurm_setup=[f"export {k}={shlex.quote(v)}" for k, v in env.items()],
         slurm_srun_args=["--kill-on-bad-exit=1"])
-    if options.gpus_per_node:
-        params["gpus_per_node"] = options.gpus_per_node
-    if options.partition:
-        params["slurm_partition"] = options.partition
-    ex.update_parameters(**params)
     return ex
 
 
-def _callable(target: Any, args: Sequence[str]) -> tuple[Any, Optional[str]]:
+def _callable(target: Any, args: Sequence[str]) -> tuple[Any, str | None]:
     """(the submitted callable, the pretrain run dir or None)."""
-    from hpc.submit import payload as jobs
     from hpc.pretrain.config import PretrainConfig
+    from hpc.submit import payload as jobs
 
     if isinstance(target, PretrainConfig):
         job = jobs.PretrainJob(target)
@@ -100,7 +117,7 @@ def _callable(target: Any, args: Sequence[str]) -> tuple[Any, Optional[str]]:
 
 
 def submit(target: Any, args: Sequence[str] = (), *,
-           options: Optional[SubmitOptions] = None, **kwargs: Any) -> SubmittedJob:
+           options: SubmitOptions | None = None, **kwargs: Any) -> SubmittedJob:
     """Submit ``target`` as one multi-node Slurm job; every task runs it in-process.
 
     Args:

@@ -1,52 +1,120 @@
-"""The schema of a submission: :class:`SubmitOptions` and the extra sbatch options.
+"""The schema of a submission: :class:`SubmitOptions`, whose fields drive everything else.
 
-:class:`SubmitOptions` is what :func:`hpc.submit.submit` takes; :func:`parse_sbatch`
-validates extra sbatch options against this cluster's ``sbatch --help`` and refuses the
-ones ``hpc submit`` sets itself (:data:`MANAGED`).
+Each field is declared with :func:`option`: its ``hpc submit`` flag (type, default and
+help come from the field), the sbatch options it sets (refused in ``--sbatch``, see
+:data:`MANAGED`) and the submitit parameter it becomes (:func:`hpc.submit.make_executor`).
+A new ``hpc submit`` flag is one new field. :func:`parse_sbatch` validates extra sbatch
+options against this cluster's ``sbatch --help``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from hpc.errors import SubmitError
-from hpc.submit.preempt import DEFAULT_MAX_REQUEUES, DEFAULT_SIGNAL, parse_signal
+from hpc.submit.preempt import (
+    DEFAULT_MAX_REQUEUES,
+    DEFAULT_SIGNAL,
+    VALID_SIGNALS,
+    parse_signal,
+)
 
-__all__ = ["MANAGED", "SubmitOptions", "parse_sbatch", "sbatch_long_options"]
+__all__ = ["MANAGED", "SubmitOptions", "option", "parse_sbatch", "parse_time",
+           "sbatch_long_options"]
 
-#: sbatch options ``hpc submit`` sets itself, with the option to use instead.
-MANAGED = {
-    "nodes": "--nodes", "ntasks-per-node": "--tasks-per-node",
-    "gpus-per-node": "--gpus-per-node", "cpus-per-task": "--cpus-per-task",
-    "partition": "--partition", "time": "--time", "signal": "--signal / --signal-delay",
-    "job-name": "--name", "output": "--log-dir", "error": "--log-dir",
-    "open-mode": "nothing (always append)", "requeue": "nothing (always on)",
-    "no-requeue": "--max-requeues 0", "ntasks": "--nodes and --tasks-per-node",
-    "array": "nothing (arrays are not supported)", "wrap": "the command after --",
-}
 #: sbatch options that make no sense in a submission (they control the sbatch command).
 _NOT_JOB_OPTIONS = ("help", "usage", "version", "parsable", "wait", "quiet", "verbose",
                     "test-only")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def parse_time(text: str) -> int:
+    """Slurm time (``MIN``, ``MIN:SS``, ``H:MM:SS``, ``D-H[:MM[:SS]]``) -> whole minutes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a Slurm time, or not positive.
+    """
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Slurm time: use minutes (90), H:MM:SS (1:30:00) or "
+            "D-HH:MM (1-12:00)")
+    d, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    if d is not None:  # days-hours[:minutes[:seconds]]
+        seconds = ((d * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    elif c is not None:  # hours:minutes:seconds
+        seconds = (a * 60 + b) * 60 + c
+    elif b is not None:  # minutes:seconds
+        seconds = a * 60 + b
+    else:  # minutes
+        seconds = a * 60
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"time {text!r} must be positive")
+    return math.ceil(seconds / 60)
+
+
+def _pairs(items: Sequence[str], what: str) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` -> a dict; ``what`` (the flag) names the culprit."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SubmitError(f"{what} {item!r} is not KEY=VALUE.\nHINT: e.g. {what} "
+                              "OMP_NUM_THREADS=4")
+        out[key] = value
+    return out
+
+
+def option(*flags: str, help: str, default: Any = dataclasses.MISSING,
+           factory: Any = dataclasses.MISSING, sbatch: Sequence[str] = (),
+           submitit: str | None = None, submitit_from: str | None = None,
+           omit_unset: bool = False, parse: Callable[[Any], Any] | None = None,
+           cli_default: Any = dataclasses.MISSING, **argparse_kw: Any) -> Any:
+    """A :class:`SubmitOptions` field with what the CLI and the executor derive from it.
+
+    Args:
+        *flags: Its ``hpc submit`` flags, the long one first (``"--nodes", "-N"``).
+        help: The flag's help; ``{default}`` becomes the flag's default.
+        default: The field's default.
+        factory: The field's default factory (instead of ``default``).
+        sbatch: The sbatch options it sets: ``--sbatch`` refuses them, naming this flag.
+        submitit: The submitit parameter it becomes; None when :func:`make_executor
+            <hpc.submit.make_executor>` composes it with others.
+        submitit_from: The attribute whose value is passed (default: the field).
+        omit_unset: Do not pass a 0/None value (submitit's default applies).
+        parse: Turns the flag's value into the field's (``--env`` pairs -> a dict).
+        cli_default: The flag's default when it differs from the field's.
+        **argparse_kw: Further ``add_argument`` keywords (``type``, ``metavar``,
+            ``choices``, ``action``); ``type`` defaults to the field's int/float type.
+
+    Returns:
+        A :func:`dataclasses.field` whose ``metadata`` holds all of this.
+    """
+    meta = {"flags": flags, "help": help, "sbatch": tuple(sbatch), "submitit": submitit,
+            "submitit_from": submitit_from, "omit_unset": omit_unset, "parse": parse,
+            "cli_default": cli_default, "argparse": argparse_kw}
+    return dataclasses.field(default=default, default_factory=factory, metadata=meta)
+
+
 @functools.lru_cache(maxsize=1)
 def sbatch_long_options() -> tuple[str, ...]:
     """The long options this cluster's ``sbatch --help`` lists (without ``--``)."""
     try:
-        text = subprocess.run(["sbatch", "--help"], capture_output=True, text=True,
-                              timeout=30).stdout
+        text = subprocess.run(["sbatch", "--help"], check=False, capture_output=True,
+                              text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SubmitError(f"cannot run `sbatch --help`: {e}.\n"
                           "HINT: run hpc submit where the Slurm client tools are on PATH "
                           "(a login node).") from e
-    found = re.findall(r"^\s+(?:-\w, )?--([a-z][a-z0-9-]*)", text, flags=re.M)
+    found = re.findall(r"^\s+(?:-\w, )?--([a-z][a-z0-9-]*)", text, flags=re.MULTILINE)
     return tuple(sorted(set(found)))
 
 
@@ -67,6 +135,7 @@ def parse_sbatch(items: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
             key, sep, value = str(item).partition("=")
             pairs.append((key, value if sep else True))
     valid = sbatch_long_options()
+    job_options = [v for v in valid if v not in _NOT_JOB_OPTIONS]
     out: dict[str, Any] = {}
     for key, value in pairs:
         name = str(key).strip().lstrip("-").replace("_", "-")
@@ -74,12 +143,12 @@ def parse_sbatch(items: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
             raise SubmitError(f"--sbatch {name}=... is set by hpc submit itself.\n"
                               f"HINT: use {MANAGED[name]} instead.")
         if name not in valid or name in _NOT_JOB_OPTIONS:
-            close = difflib.get_close_matches(name, [v for v in valid if v not in _NOT_JOB_OPTIONS], n=3)
+            close = difflib.get_close_matches(name, job_options, n=3)
             raise SubmitError(
                 f"--sbatch {name}: sbatch has no option --{name}"
                 + (f" (did you mean {', '.join(close)}?)" if close else "") + ".\n"
                 "HINT: valid sbatch options: "
-                + ", ".join(o for o in valid if o not in MANAGED and o not in _NOT_JOB_OPTIONS)
+                + ", ".join(o for o in job_options if o not in MANAGED)
                 + ".")
         out[name] = value
     return out
@@ -98,33 +167,72 @@ class SubmitOptions:
         partition: Slurm partition (default: the cluster's default).
         time_min: Time limit in minutes.
         sbatch: Extra sbatch options, validated by :func:`parse_sbatch`.
+        env: Variables exported in the job (``KEY: value``).
         log_dir: Folder of the logs and submitit's pickles (``<log_dir>/<job id>/``).
         name: Job name.
         signal: Warning signal sent before the time limit (``USR2``; not USR1, which
             NCCL may use).
         signal_delay_s: Seconds before the time limit the signal comes.
         max_requeues: Requeue budget (``HPC_MAX_REQUEUES`` in the job).
-        env: Variables exported in the job (``KEY: value``).
         python: Interpreter on the nodes (default: this one).
     """
 
-    nodes: int = 1
-    gpus_per_node: int = 0
-    tasks_per_node: Optional[int] = None
-    cpus_per_task: int = 1
-    partition: Optional[str] = None
-    time_min: int = 60
-    sbatch: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    log_dir: str = "hpc-logs"
-    name: str = "hpc"
-    signal: str = DEFAULT_SIGNAL
-    signal_delay_s: int = 120
-    max_requeues: int = DEFAULT_MAX_REQUEUES
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    python: Optional[str] = None
+    nodes: int = option(
+        "--nodes", "-N", default=1, help="nodes (default {default})",
+        sbatch=("nodes", "ntasks"), submitit="nodes")
+    gpus_per_node: int = option(
+        "--gpus-per-node", "-G", default=0,
+        help="GPUs per node, one task per GPU (default {default}: CPU tasks, see "
+        "--tasks-per-node)", sbatch=("gpus-per-node",), submitit="gpus_per_node",
+        omit_unset=True)
+    tasks_per_node: Optional[int] = option(  # noqa: UP045 (get_type_hints, Python 3.9)
+        "--tasks-per-node", default=None,
+        help="tasks per node (default: --gpus-per-node, or 1 without GPUs)",
+        sbatch=("ntasks-per-node", "ntasks"), submitit="tasks_per_node",
+        submitit_from="ntasks_per_node")
+    cpus_per_task: int = option(
+        "--cpus-per-task", "-c", default=1, help="CPUs per task (default {default})",
+        sbatch=("cpus-per-task",), submitit="cpus_per_task")
+    partition: Optional[str] = option(  # noqa: UP045 (get_type_hints, Python 3.9)
+        "--partition", "-p", default=None, help="partition (default: the cluster's)",
+        sbatch=("partition",), submitit="slurm_partition", omit_unset=True)
+    time_min: int = option(
+        "--time", "-t", default=60, type=parse_time, metavar="TIME",
+        help="time limit: minutes, H:MM:SS or D-HH:MM (default {default} min)",
+        sbatch=("time",), submitit="timeout_min")
+    sbatch: Mapping[str, Any] = option(
+        "--sbatch", factory=dict, action="append", metavar="KEY=VALUE",
+        help="extra sbatch option, repeatable (e.g. account=proj, mail-type=END, exclusive)",
+        parse=parse_sbatch)
+    env: Mapping[str, str] = option(
+        "--env", factory=dict, action="append", metavar="KEY=VALUE",
+        help="variable exported in the job, repeatable",
+        parse=functools.partial(_pairs, what="--env"))
+    log_dir: str = option(
+        "--log-dir", default="hpc-logs", metavar="DIR",
+        help="logs and submitit files go to DIR/<job id>/ (default {default})",
+        sbatch=("output", "error"))
+    name: str = option(
+        "--name", "-J", default="hpc", cli_default=None,
+        help="job name (default hpc-<target>)", sbatch=("job-name",), submitit="name")
+    signal: str = option(
+        "--signal", default=DEFAULT_SIGNAL, choices=VALID_SIGNALS,
+        help="warning signal before the time limit (default {default}; USR1 may clash "
+        "with NCCL)", sbatch=("signal",))
+    signal_delay_s: int = option(
+        "--signal-delay", default=120, metavar="S",
+        help="seconds before the time limit the signal comes (default {default})",
+        sbatch=("signal",), submitit="slurm_signal_delay_s")
+    max_requeues: int = option(
+        "--max-requeues", default=DEFAULT_MAX_REQUEUES, metavar="N",
+        help="requeue budget (HPC_MAX_REQUEUES; default {default})",
+        submitit="slurm_max_num_timeout")
+    python: Optional[str] = option(  # noqa: UP045 (get_type_hints, Python 3.9)
+        "--python", default=None, help="interpreter on the nodes (default: this one)",
+        submitit="slurm_python")
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "SubmitOptions":
+    def from_kwargs(cls, **kwargs: Any) -> SubmitOptions:
         """Build from keywords; an unknown keyword is rejected listing the valid ones."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(names))
@@ -167,3 +275,24 @@ class SubmitOptions:
                               "HINT: see `hpc submit --help`.")
         parse_signal(self.signal)
         parse_sbatch(self.sbatch)
+
+
+#: sbatch options ``hpc submit`` sets without a field of its own, with what to use instead.
+_SET_ALWAYS = {
+    "open-mode": "nothing (always append)", "requeue": "nothing (always on)",
+    "no-requeue": "--max-requeues 0", "array": "nothing (arrays are not supported)",
+    "wrap": "the command after --",
+}
+
+
+def _managed() -> dict[str, str]:
+    flags: dict[str, list[str]] = {}
+    for f in dataclasses.fields(SubmitOptions):
+        for name in f.metadata["sbatch"]:
+            flags.setdefault(name, []).append(f.metadata["flags"][0])
+    return {**{name: " and ".join(fl) for name, fl in flags.items()}, **_SET_ALWAYS}
+
+
+#: sbatch options ``hpc submit`` sets itself, with the option to use instead (from the
+#: fields' ``sbatch`` metadata, plus the ones it always sets).
+MANAGED = _managed()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from hpc.errors import SubmitError
-from hpc.submit.cli import main, parse_time, split_target
+from hpc.submit.cli import _build, _options, main, split_target
+from hpc.submit.options import SubmitOptions
 from tests.helpers import ROOT
 
 
@@ -27,17 +29,6 @@ def test_split_target(cmd: list, expected: tuple) -> None:
 def test_split_target_rejects_the_unknown_listing_forms() -> None:
     with pytest.raises(SubmitError, match="pkg.mod:func"):
         split_target(["train.py"])
-
-
-@pytest.mark.parametrize("text, minutes", [("90", 90), ("1:30", 2), ("1:30:00", 90),
-                                           ("1-12:00", 2160), ("2-0", 2880)])
-def test_parse_time(text: str, minutes: int) -> None:
-    assert parse_time(text) == minutes
-
-
-def test_parse_time_rejects_garbage() -> None:
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_time("soon")
 
 
 def test_cli_rejects_unknown_options_listing_valid_ones() -> None:
@@ -67,3 +58,35 @@ def test_executor_does_not_import_the_cli() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                          text=True, timeout=60, cwd=ROOT).stdout.strip()
     assert out == "False"
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _build(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_every_option_field_has_a_flag_with_its_default() -> None:
+    parser = argparse.ArgumentParser()
+    _build(parser)
+    dests = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(SubmitOptions):
+        assert f.name in dests, f"SubmitOptions.{f.name} has no hpc submit flag"
+        assert dests[f.name].option_strings[0] == f.metadata["flags"][0]
+    # the defaults of the flags are the defaults of the fields (the name is derived)
+    assert _options(_parse(), "pretrain") == SubmitOptions(name="hpc-pretrain")
+
+
+def test_flags_become_the_fields_they_name() -> None:
+    args = _parse("-N", "2", "-G", "2", "-t", "1:30:00", "--env", "A=b", "--env", "C=d",
+                  "--signal-delay", "90", "--max-requeues", "0", "-J", "x", "--", "-m", "m")
+    assert _options(args, "module:m") == SubmitOptions(
+        nodes=2, gpus_per_node=2, time_min=90, env={"A": "b", "C": "d"}, signal_delay_s=90,
+        max_requeues=0, name="x")
+    assert _options(_parse(), "module:pkg.train").name == "hpc-train"
+    assert _options(_parse(), "function:pkg.jobs:main").name == "hpc-jobs"
+
+
+def test_env_flag_must_be_key_value() -> None:
+    with pytest.raises(SubmitError, match="HINT: e.g. --env OMP_NUM_THREADS=4"):
+        _options(_parse("--env", "A"), "pretrain")

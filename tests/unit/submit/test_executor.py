@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
 import pytest
 
 from hpc.submit import SubmitOptions, make_executor
+from hpc.submit.executor import COMPOSED, field_parameters
 
 
 def test_executor_script_has_signal_requeue_and_kill_on_bad_exit(tmp_path: Path) -> None:
@@ -24,3 +26,21 @@ def test_executor_script_has_signal_requeue_and_kill_on_bad_exit(tmp_path: Path)
                  "export SUBMITIT_PREEMPT_SIGNAL=USR2", "export HPC_MAX_REQUEUES=5",
                  "export A='b c'", "--kill-on-bad-exit=1"):
         assert line in text, f"{line!r} missing:\n{text}"
+
+
+def test_every_field_reaches_submitit() -> None:
+    for f in dataclasses.fields(SubmitOptions):
+        assert (f.metadata["submitit"] is None) == (f.name in COMPOSED), (
+            f"SubmitOptions.{f.name}: give it a submitit parameter or compose it in "
+            "make_executor (and list it in COMPOSED)")
+
+
+def test_field_parameters_map_the_fields() -> None:
+    assert field_parameters(SubmitOptions()) == {
+        "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "timeout_min": 60,
+        "name": "hpc", "slurm_signal_delay_s": 120, "slurm_max_num_timeout": 3,
+        "slurm_python": None}
+    params = field_parameters(SubmitOptions(gpus_per_node=2, partition="p"))
+    assert (params["gpus_per_node"], params["tasks_per_node"]) == (2, 2)
+    assert params["slurm_partition"] == "p"
+

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import shutil
 
 import pytest
 
 from hpc.errors import SubmitError
 from hpc.submit import SubmitOptions, parse_sbatch
+from hpc.submit.options import _SET_ALWAYS, MANAGED, parse_time
 
 
 def test_options_reject_unknown_keywords_listing_the_valid_ones() -> None:
@@ -41,3 +44,26 @@ def test_sbatch_extras_are_validated_against_sbatch_help() -> None:
         parse_sbatch({"acount": "x"})
     with pytest.raises(SubmitError, match="HINT: use --time instead"):
         parse_sbatch(["time=5"])
+
+
+@pytest.mark.parametrize("text, minutes", [("90", 90), ("1:30", 2), ("1:30:00", 90),
+                                           ("1-12:00", 2160), ("2-0", 2880)])
+def test_parse_time(text: str, minutes: int) -> None:
+    assert parse_time(text) == minutes
+
+
+def test_parse_time_rejects_garbage() -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_time("soon")
+
+
+def test_managed_sbatch_options_come_from_the_fields() -> None:
+    from_fields: dict[str, list[str]] = {}
+    for f in dataclasses.fields(SubmitOptions):
+        for name in f.metadata["sbatch"]:
+            from_fields.setdefault(name, []).append(f.metadata["flags"][0])
+    assert set(MANAGED) == set(from_fields) | set(_SET_ALWAYS)
+    for name, flags in from_fields.items():
+        assert MANAGED[name] == " and ".join(flags)
+    assert MANAGED["ntasks"] == "--nodes and --tasks-per-node"
+    assert MANAGED["time"] == "--time" and MANAGED["output"] == "--log-dir"
