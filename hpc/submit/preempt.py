@@ -30,16 +30,16 @@ before the time limit; ``scancel --signal=USR2 ID`` sends it by hand; with
                                     own handler (active until the guard replaces it) agrees
 ``SUBMITIT_FOLDER``                 set by submitit in its jobs: the resubmission is written
                                     there (:mod:`hpc.submit.payload`)
-``HPC_TEST_STEP_SLEEP``             test-only: seconds slept per step (each poll), so
-                                    cluster tests can signal a run mid-way
-``HPC_TEST_SLEEP_RUNS``             test-only: sleep only in the first N runs of the job
-                                    (``SLURM_RESTART_COUNT < N``); default: every run
+``HPC_STEP_HOOK``                   ``module:function`` called (no arguments) at every poll
+                                    of the guard, i.e. once per step: fault injection; the
+                                    cluster tests slow a run down with it
 ==================================  ======================================================
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 from hpc.errors import SubmitError
 
 __all__ = [
-    "PreemptGuard", "Budget", "Outcome", "parse_signal", "read_budget",
+    "PreemptGuard", "Budget", "Outcome", "load_step_hook", "parse_signal", "read_budget",
     "requeue_after_stop", "stopped_by_request", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES",
     "EXIT_REQUEUED", "VALID_SIGNALS",
 ]
@@ -123,6 +123,33 @@ def read_budget(environ: Optional[Mapping[str, str]] = None) -> Budget:
                   _env_int(env, "HPC_MAX_REQUEUES", DEFAULT_MAX_REQUEUES))
 
 
+def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Callable[[], None]]:
+    """The ``HPC_STEP_HOOK`` function (``module:function``), or None when unset.
+
+    Raises:
+        SubmitError: the value is not ``module:function`` or does not import (the message
+            says which part failed).
+    """
+    env = os.environ if environ is None else environ
+    spec = env.get("HPC_STEP_HOOK", "").strip()
+    if not spec:
+        return None
+    module, sep, name = spec.partition(":")
+    if not (sep and module and name):
+        raise SubmitError(f"HPC_STEP_HOOK={spec!r} is not module:function.\n"
+                          "HINT: e.g. HPC_STEP_HOOK=mypkg.hooks:on_step, or unset it.")
+    try:
+        hook = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SubmitError(f"HPC_STEP_HOOK={spec!r} cannot be loaded: {e}.\n"
+                          "HINT: put the module on PYTHONPATH of the job, or unset "
+                          "HPC_STEP_HOOK.") from e
+    if not callable(hook):
+        raise SubmitError(f"HPC_STEP_HOOK={spec!r} is a {type(hook).__name__}, not a "
+                          "function.\nHINT: name a function taking no arguments.")
+    return hook
+
+
 class PreemptGuard:
     """A stop request raised by the warning signal, polled by the training loop.
 
@@ -137,10 +164,13 @@ class PreemptGuard:
     Args:
         signame: The signal (default ``HPC_PREEMPT_SIGNAL`` or ``USR2``).
         environ: Variables to read (default ``os.environ``).
+        step_hook: Called at every poll, before the answer (default: the
+            ``HPC_STEP_HOOK`` function, see :func:`load_step_hook`).
     """
 
     def __init__(self, signame: Optional[str] = None,
-                 environ: Optional[Mapping[str, str]] = None) -> None:
+                 environ: Optional[Mapping[str, str]] = None,
+                 step_hook: Optional[Callable[[], None]] = None) -> None:
         env = os.environ if environ is None else environ
         self.signum = parse_signal(signame or env.get("HPC_PREEMPT_SIGNAL") or DEFAULT_SIGNAL)
         self.requested = False
@@ -149,21 +179,7 @@ class PreemptGuard:
         self._installed = False
         self._announce = env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0")) == "0"
         self._rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
-        self._sleep = self._test_sleep(env)
-
-    @staticmethod
-    def _test_sleep(env: Mapping[str, str]) -> float:
-        raw = env.get("HPC_TEST_STEP_SLEEP", "").strip()
-        if not raw:
-            return 0.0
-        runs = _env_int(env, "HPC_TEST_SLEEP_RUNS", 0)
-        if runs and _env_int(env, "SLURM_RESTART_COUNT", 0) >= runs:
-            return 0.0
-        try:
-            return max(0.0, float(raw))
-        except ValueError:
-            raise SubmitError(f"HPC_TEST_STEP_SLEEP={raw!r} is not a number of seconds.\n"
-                              "HINT: unset it (it is a test-only knob).") from None
+        self.step_hook = step_hook if step_hook is not None else load_step_hook(env)
 
     @property
     def signal_name(self) -> str:
@@ -197,8 +213,8 @@ class PreemptGuard:
                     pass
 
     def __call__(self) -> bool:
-        if self._sleep:
-            time.sleep(self._sleep)
+        if self.step_hook is not None:
+            self.step_hook()
         return self.requested
 
 

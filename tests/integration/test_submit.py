@@ -3,8 +3,9 @@
 Every job is 2 nodes x 2 tasks (``--gpus-per-node 2``, fake GPUs, gloo on CPU) running a
 tiny pretrain (2 epochs x 11 steps, checkpoint every 3 steps). One uninterrupted run is
 the reference; preempted runs must end with bitwise-identical weights and a metrics.csv
-holding each step exactly once. ``HPC_TEST_STEP_SLEEP`` (test-only, see hpc.submit.preempt)
-slows the first run of a job so a signal lands mid-run; sleeping does not change the math.
+holding each step exactly once. A step hook (``HPC_STEP_HOOK``, see
+tests/integration/step_hooks.py) slows the first run of a job so a signal lands mid-run;
+sleeping does not change the math.
 
 Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_submit.py``
 """
@@ -26,6 +27,7 @@ import pytest
 
 from tests.conftest import LAUNCHER_VARS
 from tests.helpers import ROOT, in_ci, require_slurm, slurm_env
+from tests.integration.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
 
@@ -51,7 +53,7 @@ TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs
              "--recal-samples", "64", "--ckpt-every", "3", "--no-progress"]
 LAYOUT = dict(nodes=2, gpus_per_node=2, time_min=5, signal_delay_s=60)
 ENV = {"OMP_NUM_THREADS": "1"}  # the same in every run: the reference must match bitwise
-SLOW_FIRST_RUN = {"HPC_TEST_STEP_SLEEP": "0.5", "HPC_TEST_SLEEP_RUNS": "1"}
+SLOW_FIRST_RUN = slowed(0.5, runs=1)
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +194,10 @@ def test_time_limit_signal_requeues_through_hpc_submit_wait(
     """``--time 2 --signal-delay 60``: Slurm itself sends USR2 30-60 s into the run."""
     out = tmp_path / "run"
     env = slurm_env()
+    hook = [a for k, v in slowed(2.5, runs=1).items() for a in ("--env", f"{k}={v}")]
     cmd = [sys.executable, "-m", "hpc", "submit", "--nodes", "2", "--gpus-per-node", "2",
            "--time", "2", "--signal-delay", "60", "--log-dir", str(tmp_path / "logs"),
-           "--env", "OMP_NUM_THREADS=1", "--env", "HPC_TEST_STEP_SLEEP=2.5",
-           "--env", "HPC_TEST_SLEEP_RUNS=1", "--wait", "--wait-timeout", "240",
+           "--env", "OMP_NUM_THREADS=1", *hook, "--wait", "--wait-timeout", "240",
            "--", *TINY_ARGS, "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -269,7 +271,7 @@ def _pid_of(job_id: str, rank: int, marker: bytes) -> Optional[int]:
 def test_sigkilled_rank_fails_the_job_fast_naming_it(cluster: None, tmp_path: Path,
                                                       cancel_after: list[str]) -> None:
     out = tmp_path / "run"
-    job = _submit(out, tmp_path / "logs", HPC_TEST_STEP_SLEEP="0.5")
+    job = _submit(out, tmp_path / "logs", **slowed(0.5))
     cancel_after.append(job.job_id)
     _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
     pid = _pid_of(job.job_id, 3, b"submitit.core._submit")

@@ -49,14 +49,48 @@ def test_guard_turns_a_real_signal_into_a_stop_request() -> None:
     assert signal.getsignal(signal.SIGUSR2) != guard.request
 
 
-def test_guard_test_sleep_only_in_the_first_runs() -> None:
-    env = {"HPC_TEST_STEP_SLEEP": "0.2", "HPC_TEST_SLEEP_RUNS": "1"}
-    start = time.monotonic()
-    preempt.PreemptGuard(environ=env)()
-    assert time.monotonic() - start >= 0.2
-    start = time.monotonic()
-    preempt.PreemptGuard(environ={**env, "SLURM_RESTART_COUNT": "1"})()
-    assert time.monotonic() - start < 0.1
+POLLS: list[int] = []
+
+
+def _record_poll() -> None:
+    POLLS.append(1)
+
+
+def test_guard_calls_its_step_hook_at_every_poll() -> None:
+    polls: list[int] = []
+    guard = preempt.PreemptGuard(environ={}, step_hook=lambda: polls.append(1))
+    assert (guard(), guard(), polls) == (False, False, [1, 1])
+    POLLS.clear()
+    guard = preempt.PreemptGuard(environ={"HPC_STEP_HOOK": f"{__name__}:_record_poll"})
+    guard()
+    assert POLLS == [1]
+    assert preempt.PreemptGuard(environ={}).step_hook is None
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nocolon", "is not module:function"),
+    ("no_such_module_x:f", "cannot be loaded.*HINT: put the module on PYTHONPATH"),
+    ("os:no_such_function", "cannot be loaded"),
+    ("os:sep", "is a str, not a function"),
+])
+def test_bad_step_hook_is_an_error_naming_it(spec: str, match: str) -> None:
+    with pytest.raises(SubmitError, match=f"(?s)HPC_STEP_HOOK='{spec}' {match}"):
+        preempt.load_step_hook({"HPC_STEP_HOOK": spec})
+
+
+def test_cluster_tests_step_hook_sleeps_only_in_the_first_runs() -> None:
+    from tests.integration.step_hooks import slowed
+
+    with pytest.MonkeyPatch.context() as mp:  # undone before conftest's leak check
+        for key, value in slowed(0.2, runs=1).items():
+            mp.setenv(key, value)
+        start = time.monotonic()
+        preempt.PreemptGuard()()
+        assert time.monotonic() - start >= 0.2
+        mp.setenv("SLURM_RESTART_COUNT", "1")
+        start = time.monotonic()
+        preempt.PreemptGuard()()
+        assert time.monotonic() - start < 0.1
 
 
 def test_stopped_by_request_is_not_max_steps() -> None:

@@ -1,0 +1,35 @@
+"""Step hooks the cluster tests install through ``HPC_STEP_HOOK`` (see hpc.submit.preempt).
+
+``HPC_STEP_HOOK=tests.integration.step_hooks:sleep`` sleeps ``HPC_TEST_STEP_SLEEP`` seconds
+at every poll of the job's ``PreemptGuard`` (once per step), in the first
+``HPC_TEST_SLEEP_RUNS`` runs of the job only (``SLURM_RESTART_COUNT`` below it; unset:
+every run). A signal sent once a checkpoint exists then lands in the middle of the run;
+sleeping does not change the results. :func:`slowed` gives the variables a job needs,
+``PYTHONPATH`` included, so the nodes import this module.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sleep() -> None:
+    """Sleep ``HPC_TEST_STEP_SLEEP`` seconds unless this run is past ``HPC_TEST_SLEEP_RUNS``."""
+    runs = int(os.environ.get("HPC_TEST_SLEEP_RUNS") or 0)
+    if runs and int(os.environ.get("SLURM_RESTART_COUNT") or 0) >= runs:
+        return
+    time.sleep(float(os.environ.get("HPC_TEST_STEP_SLEEP") or 0))
+
+
+def slowed(seconds: float, runs: int = 0) -> dict[str, str]:
+    """Variables for a job whose steps sleep ``seconds`` (in its first ``runs`` runs; 0: all)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {"HPC_STEP_HOOK": f"{__name__}:sleep", "HPC_TEST_STEP_SLEEP": str(seconds),
+           "PYTHONPATH": path}
+    if runs:
+        env["HPC_TEST_SLEEP_RUNS"] = str(runs)
+    return env
