@@ -1,6 +1,7 @@
 """The ``hpc`` command: :mod:`hpc.cli.main` holds the subcommand table.
 
-* :mod:`hpc.cli.main` — the parser and ``main``; ``hpc run`` (engine: :mod:`hpc.launch`);
+* :mod:`hpc.cli.main` — the table, the parser and ``main``;
+* :mod:`hpc.cli.run` — ``hpc run`` (engine: :mod:`hpc.launch`);
 * :mod:`hpc.cli.env` — ``hpc env``;
 * :mod:`hpc.cli.demo` — ``hpc demo``.
 

@@ -9,18 +9,19 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "add_parser"]
+__all__ = ["add_parser", "main"]
 
 
-def main(backend: str | None = None) -> int:
+def _run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
     import hpc
 
-    info = hpc.init_torch(backend=backend)
+    info = hpc.init_torch(backend=args.backend)
     value = torch.tensor([float(info.rank + 1)], device=hpc.device())
     dist.all_reduce(value)
     expected = info.world_size * (info.world_size + 1) / 2
@@ -39,10 +40,18 @@ def main(backend: str | None = None) -> int:
 
 
 def add_parser(sub: Any) -> None:
+    """Register ``hpc demo`` on the ``hpc`` subparsers ``sub``."""
     p = sub.add_parser("demo", help="init, all_reduce and print one line per rank",
                        description=__doc__)
     p.add_argument("--backend", default=None, help="nccl/gloo (default: auto)")
-    p.set_defaults(func=lambda a: main(a.backend))
+    p.set_defaults(func=_run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hpc.cli.demo ARGS``: the same as ``hpc demo ARGS``."""
+    from hpc.cli.main import run_subcommand
+
+    return run_subcommand(add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import sys
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_parser", "describe_local", "find_mismatches"]
+__all__ = ["add_parser", "describe_local", "find_mismatches", "main"]
 
 
 def describe_local() -> dict[str, Any]:
@@ -56,7 +58,7 @@ def find_mismatches(rows: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def _cmd_env(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     row = describe_local()
     if not args.all:
         print(json.dumps(row, indent=2) if args.json else
@@ -86,10 +88,22 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
+    """Register ``hpc env`` on the ``hpc`` subparsers ``sub``."""
     p = sub.add_parser("env", help="print the detected launch environment",
                        description="Print what this process detected. With --all, init "
                        "torch.distributed and gather every rank's view on the master, "
                        "flagging mismatches.")
     p.add_argument("--all", action="store_true", help="gather all ranks' views (inits torch)")
     p.add_argument("--json", action="store_true", help="JSON output (single process)")
-    p.set_defaults(func=_cmd_env)
+    p.set_defaults(func=_run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hpc.cli.env ARGS``: the same as ``hpc env ARGS``."""
+    from hpc.cli.main import run_subcommand
+
+    return run_subcommand(add_parser, argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,7 +1,9 @@
-"""The ``hpc`` command: ``env``, ``run``, ``demo`` and the subcommands of other modules.
+"""The ``hpc`` command: the table of subcommands, the parser built from it, and ``main``.
 
-Each subcommand module provides ``add_parser(subparsers)`` which registers a parser
-whose ``func`` default is ``(args) -> int``.
+Every subcommand lives in the module :data:`SUBCOMMANDS` names, which provides
+``add_parser(subparsers)``: it registers a parser whose ``func`` default is the private
+handler ``_run(args) -> int``. Each such module also has ``main(argv=None) -> int``
+(through :func:`run_subcommand`), so ``python -m hpc.cli.demo`` is ``hpc demo``.
 """
 
 from __future__ import annotations
@@ -10,29 +12,16 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "run_subcommand"]
 
 logger = logging.getLogger(__name__)
 
 #: Subcommand -> module contributing it, imported lazily (none imports torch at import).
-SUBCOMMANDS = {"env": "hpc.cli.env", "demo": "hpc.cli.demo", "pretrain": "hpc.pretrain.cli",
-               "submit": "hpc.submit.cli"}
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from hpc.launch import run
-
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    try:
-        return run(cmd, args.nproc, prefix=not args.no_prefix, port=args.port)
-    except ValueError as e:
-        print(f"hpc run: {e}", file=sys.stderr)
-        return 2
+SUBCOMMANDS = {"run": "hpc.cli.run", "env": "hpc.cli.env", "demo": "hpc.cli.demo",
+               "pretrain": "hpc.pretrain.cli", "submit": "hpc.submit.cli"}
 
 
 def _unavailable(name: str, error: Exception) -> int:
@@ -43,19 +32,11 @@ def _unavailable(name: str, error: Exception) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hpc`` parser with every subcommand of :data:`SUBCOMMANDS` (imports no torch)."""
     parser = argparse.ArgumentParser(
         prog="hpc", description="torch-hpc: run one PyTorch script under any launcher.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    p = sub.add_parser("run", help="start N local ranks of a command (no scheduler needed)",
-                       description="Start N ranks of CMD on this host with torchrun-style "
-                       "variables; stop all ranks and exit non-zero when one fails.")
-    p.add_argument("--nproc", "-n", type=int, default=1, help="number of ranks (default 1)")
-    p.add_argument("--port", type=int, default=None,
-                   help="master port (default: MASTER_PORT or a free port)")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
-    p.set_defaults(func=_cmd_run)
     for command, name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(name)
@@ -68,7 +49,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def run_subcommand(add_parser: Callable[[Any], None],
+                   argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` as the one subcommand ``add_parser`` registers, and run it.
+
+    The ``main(argv)`` of every subcommand module: ``python -m hpc.cli.demo ARGS`` parses
+    and runs exactly as ``hpc demo ARGS`` (same parser, same ``prog`` in messages).
+
+    Args:
+        add_parser: The subcommand module's ``add_parser(subparsers)``.
+        argv: Arguments after the subcommand name (default ``sys.argv[1:]``).
+
+    Returns:
+        The handler's exit status.
+    """
+    parser = argparse.ArgumentParser(prog="hpc")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_parser(sub)
+    (command,) = sub.choices
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hpc`` console script."""
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

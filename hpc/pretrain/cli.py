@@ -17,7 +17,7 @@ import logging
 import sys
 import typing
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from hpc.pretrain.config import PretrainConfig
 
@@ -90,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     return PretrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def main(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
     from hpc.errors import HPCError
     from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
@@ -130,15 +130,15 @@ def add_parser(sub: Any) -> None:
                        description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _build(p)
-    p.set_defaults(func=main)
+    p.set_defaults(func=_run)
 
 
-def run(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpc.pretrain.cli ARGS``: the same as ``hpc pretrain ARGS``."""
-    parser = argparse.ArgumentParser(prog="hpc pretrain")
-    _build(parser)
-    return main(parser.parse_args(argv))
+    from hpc.cli.main import run_subcommand
+
+    return run_subcommand(add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run())
+    sys.exit(main())
