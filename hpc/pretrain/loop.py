@@ -25,7 +25,7 @@ from hpc.pretrain import resume as resume_mod
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, epoch_batches, load_data, steps_per_epoch, val_shard
 from hpc.pretrain.evaluate import validate
-from hpc.pretrain.reduce import StepReducer, check_identical
+from hpc.pretrain.reduce import StepReducer, StepStats, check_identical
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
 from hpc.pretrain.space import VAL_STREAM, Supernet, arch_generator, derive_seed
 
@@ -155,158 +155,234 @@ def pretrain(config: Optional[PretrainConfig] = None, space: Optional[nn.Module]
     """
     cfg = config or PretrainConfig()
     cfg.validate()
-    info = hpc.init_torch(seed=cfg.seed)
-    rank, world, dev = info.rank, info.world_size, hpc.device()
-    run_dir = Path(cfg.out) if cfg.out else None
-    if cfg.setup_logging:
-        hpc.setup_logging(info, log_file=run_dir / "pretrain.log" if run_dir else None)
-    data = (data or load_data(cfg.data, cfg.seed, cfg.val_fraction)).to(dev)
-    if space is None:
-        space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
-    space.to(dev)
-    hpc.sync_model(space)
-    n_train = int(data.x_train.shape[0])
-    spe = steps_per_epoch(n_train, world, cfg.batch_size)
-    if spe < 1:
-        raise ValueError(
-            f"batch_size={cfg.batch_size} x {world} ranks exceeds the {n_train} training "
-            "samples: an epoch would have no step.\n"
-            f"HINT: use --batch-size {max(1, n_train // world)} or fewer.")
-    total_steps = cfg.epochs * spe
-    optimizer = _optimizer(cfg, space)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(total_steps))
+    run = _Run(cfg, space, data)
+    run.resume()
+    run.open_outputs()
+    run.prepare_validation()
+    run.train(stop_requested)
+    return run.finish()
 
-    pos = resume_mod.restore(cfg, run_dir, space, optimizer, scheduler, rank, world, spe)
-    if pos.path is None:
-        hpc.seed_everything(derive_seed(cfg.seed, rank))  # per-rank streams (dropout etc.)
-    step, start_epoch, batch_start = pos.step, pos.epoch, pos.batch
-    is_master = rank == 0
-    metrics = None
-    if is_master and run_dir is not None:
+
+class _Run:
+    """One call of :func:`pretrain`: its fixed setup, its progress, and its phases.
+
+    The phases run in this order, every one on every rank: ``__init__`` (setup),
+    :meth:`resume`, :meth:`open_outputs`, :meth:`prepare_validation`, :meth:`train`
+    (epochs of steps, each epoch ending with validation and a checkpoint) and
+    :meth:`finish`.
+    """
+
+    def __init__(self, cfg: PretrainConfig, space: Optional[nn.Module],
+                 data: Optional[PretrainData]) -> None:
+        """Setup: init, logging, data on the device, the synced model, optimizer, schedule."""
+        self.cfg = cfg
+        self.info = info = hpc.init_torch(seed=cfg.seed)
+        self.rank, self.world, self.dev = info.rank, info.world_size, hpc.device()
+        self.run_dir = run_dir = Path(cfg.out) if cfg.out else None
+        if cfg.setup_logging:
+            hpc.setup_logging(info, log_file=run_dir / "pretrain.log" if run_dir else None)
+        self.data = data = (data or load_data(cfg.data, cfg.seed, cfg.val_fraction)).to(self.dev)
+        if space is None:
+            space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
+        space.to(self.dev)
+        hpc.sync_model(space)
+        self.space = space
+        self.n_train = n_train = int(data.x_train.shape[0])
+        self.spe = steps_per_epoch(n_train, self.world, cfg.batch_size)
+        if self.spe < 1:
+            raise ValueError(
+                f"batch_size={cfg.batch_size} x {self.world} ranks exceeds the {n_train} "
+                "training samples: an epoch would have no step.\n"
+                f"HINT: use --batch-size {max(1, n_train // self.world)} or fewer.")
+        self.total_steps = cfg.epochs * self.spe
+        self.optimizer = _optimizer(cfg, space)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           _cosine(self.total_steps))
+        self.is_master = self.rank == 0
+        self.metrics: Optional[MetricsWriter] = None
+        self.val_acc: list[float] = []
+        self.train_time, self.run_steps, self.sync_checks = 0.0, 0, 0
+        self.last_ckpt: Optional[str] = None
+        self.status = "completed"
+        self.epoch_loss: Optional[float] = None
+        self.started = 0.0
+
+    def resume(self) -> None:
+        """Resume: load the checkpoint to continue from, or seed this rank's own streams."""
+        cfg = self.cfg
+        self.pos = pos = resume_mod.restore(cfg, self.run_dir, self.space, self.optimizer,
+                                            self.scheduler, self.rank, self.world, self.spe)
+        if pos.path is None:
+            hpc.seed_everything(derive_seed(cfg.seed, self.rank))  # per-rank streams (dropout etc.)
+        self.step, self.start_epoch, self.batch_start = pos.step, pos.epoch, pos.batch
+        self.epochs_done, self.val_acc = pos.epoch, pos.val_acc
+
+    def open_outputs(self) -> None:
+        """The master's run directory: ``config.json`` and the metrics file."""
+        run_dir, data, pos = self.run_dir, self.data, self.pos
+        if not self.is_master or run_dir is None:
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run_dir / "config.json", {
-            **cfg.to_dict(), "world_size": world, "steps_per_epoch": spe,
-            "total_steps": total_steps, "data_name": data.name, "n_train": n_train,
-            "n_val": int(data.x_val.shape[0]), "space": type(space).__qualname__,
+            **self.cfg.to_dict(), "world_size": self.world, "steps_per_epoch": self.spe,
+            "total_steps": self.total_steps, "data_name": data.name, "n_train": self.n_train,
+            "n_val": int(data.x_val.shape[0]), "space": type(self.space).__qualname__,
             "resumed_from": pos.path})
-        metrics = MetricsWriter(run_dir / "metrics.csv",
-                                resume_step=step if pos.path else None)
+        self.metrics = MetricsWriter(run_dir / "metrics.csv",
+                                     resume_step=self.step if pos.path else None)
 
-    archs = [space.sample(arch_generator(cfg.seed, VAL_STREAM, i))
-             for i in range(cfg.val_archs)]
-    describe = getattr(space, "describe", str)
-    shard = val_shard(int(data.x_val.shape[0]), world, rank).to(dev)
-    x_val, y_val = data.x_val[shard], data.y_val[shard]
-    recal_n = min(cfg.recal_samples, n_train) // world * world
-    recal = torch.randperm(n_train, generator=torch.Generator().manual_seed(
-        derive_seed(cfg.seed, VAL_STREAM)))[:recal_n]
-    recal_x = data.x_train[recal[rank::world].to(dev)]
-    reducer = StepReducer(space, dev)
-    show = cfg.progress and info.local_rank == 0
-    val_acc: list[float] = pos.val_acc
-    train_time, run_steps, sync_checks, last_ckpt = 0.0, 0, 0, None
-    status, epoch_loss, epochs_done = "completed", None, start_epoch
-    started = time.perf_counter()
-    space.train()
+    def prepare_validation(self) -> None:
+        """The validated architectures, this rank's validation shard and BN-recal images."""
+        cfg, data, rank, world, dev = self.cfg, self.data, self.rank, self.world, self.dev
+        self.archs = [self.space.sample(arch_generator(cfg.seed, VAL_STREAM, i))
+                      for i in range(cfg.val_archs)]
+        self.describe = getattr(self.space, "describe", str)
+        shard = val_shard(int(data.x_val.shape[0]), world, rank).to(dev)
+        self.x_val, self.y_val = data.x_val[shard], data.y_val[shard]
+        recal_n = min(cfg.recal_samples, self.n_train) // world * world
+        recal = torch.randperm(self.n_train, generator=torch.Generator().manual_seed(
+            derive_seed(cfg.seed, VAL_STREAM)))[:recal_n]
+        self.recal_x = data.x_train[recal[rank::world].to(dev)]
 
-    def checkpoint(next_epoch: int, next_batch: int) -> Optional[str]:
-        if metrics is not None:
-            metrics.flush()
-        return resume_mod.save(cfg, run_dir, space, optimizer, scheduler, step=step,
-                               epoch=next_epoch, batch=next_batch, world=world,
-                               val_acc=val_acc)
+    def train(self, stop_requested: Optional[Callable[[], bool]]) -> None:
+        """The epoch loop, from the resumed position to the last epoch or a stop."""
+        self.reducer = StepReducer(self.space, self.dev)
+        self.show = self.cfg.progress and self.info.local_rank == 0
+        self.started = time.perf_counter()
+        self.space.train()
+        for epoch in range(self.start_epoch, self.cfg.epochs):
+            if self._epoch(epoch, stop_requested):
+                break
 
-    for epoch in range(start_epoch, cfg.epochs):
-        batches = epoch_batches(n_train, world, rank, cfg.seed, epoch, cfg.batch_size,
-                                start=batch_start)
-        done_before, batch_start = spe - len(batches), 0
-        bar = _progress(show, spe, done_before, f"epoch {epoch + 1}/{cfg.epochs}")
+    def _epoch(self, epoch: int, stop_requested: Optional[Callable[[], bool]]) -> bool:
+        """Run the rest of ``epoch``; True when the run stops here (checkpoint written)."""
+        cfg, spe = self.cfg, self.spe
+        batches = epoch_batches(self.n_train, self.world, self.rank, cfg.seed, epoch,
+                                cfg.batch_size, start=self.batch_start)
+        done_before, self.batch_start = spe - len(batches), 0
+        bar = _progress(self.show, spe, done_before, f"epoch {epoch + 1}/{cfg.epochs}")
         loss_sum, loss_n, stop = 0.0, 0, False
         # One host-to-device copy per epoch, not one per step.
-        order = torch.stack(batches).to(dev) if batches else batches
+        order = torch.stack(batches).to(self.dev) if batches else batches
         for i, idx in enumerate(order):
-            t0 = time.perf_counter()
-            step += 1
-            arch = space.sample(arch_generator(cfg.seed, rank, step))
-            xb, yb = data.x_train[idx], data.y_train[idx]
-            optimizer.zero_grad(set_to_none=True)
-            out = space(xb, arch)
-            loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
-            loss.backward()
-            hpc.sync_gradients(space)
-            optimizer.step()
-            lr = optimizer.param_groups[0]["lr"]
-            scheduler.step()
-            local_stop = bool(stop_requested()) if stop_requested is not None else False
-            stats = reducer(loss.detach() * yb.numel(), (out.argmax(1) == yb).sum(),
-                            yb.numel(), local_stop)
-            train_time += time.perf_counter() - t0
-            run_steps += 1
+            stats, lr = self._step(idx, stop_requested)
             loss_sum, loss_n = loss_sum + stats.loss, loss_n + 1
-            if cfg.check_sync:
-                check_identical(space, step)
-                sync_checks += 1
-            if metrics is not None:
-                metrics.add([{"step": step, "epoch": epoch + 1, "split": "train",
-                              "loss": stats.loss, "acc": stats.acc, "lr": lr,
-                              "samples": stats.samples,
-                              "elapsed_s": round(time.perf_counter() - started, 3)}])
-            if bar is not None:
-                bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}",
-                                refresh=False)
-                bar.update(1)
+            self._record(epoch, stats, lr, bar)
             epoch_end = done_before + i + 1 == spe
-            stop = stats.stop or (cfg.max_steps is not None and step >= cfg.max_steps)
+            stop = stats.stop or (cfg.max_steps is not None and self.step >= cfg.max_steps)
             if epoch_end:
                 if bar is not None:
                     bar.close()
                     bar = None
-                epoch_loss, epochs_done = loss_sum / max(loss_n, 1), epoch + 1
-                last = epoch + 1 == cfg.epochs
-                if last or (cfg.val_every and (epoch + 1) % cfg.val_every == 0):
-                    _, val_acc = validate(space, x_val, y_val, archs, recal_x)
-                    if metrics is not None:
-                        metrics.add([{"step": step, "epoch": epoch + 1, "split": "val",
-                                      "acc_best": max(val_acc),
-                                      "acc_mean": sum(val_acc) / len(val_acc)}])
-                sps = run_steps * world * cfg.batch_size / max(train_time, 1e-9)
-                logger.info("epoch %d/%d step %d: train loss %.4f | val acc best %s mean "
-                            "%s (%d sub-nets) | lr %.4g | %.0f samples/s", epoch + 1,
-                            cfg.epochs, step, epoch_loss,
-                            f"{max(val_acc):.4f}" if val_acc else "-",
-                            f"{sum(val_acc) / len(val_acc):.4f}" if val_acc else "-",
-                            len(archs), lr, sps)
-            if epoch_end or stop or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                last_ckpt = (checkpoint(epoch + 1, 0) if epoch_end
-                             else checkpoint(epoch, done_before + i + 1))
-                if is_master and epoch_end and run_dir is not None:
-                    plot_metrics(run_dir / "metrics.csv", run_dir / "metrics.png")
+                self._end_epoch(epoch, loss_sum / max(loss_n, 1), lr)
+            if epoch_end or stop or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
+                self._checkpoint_after(epoch, done_before + i + 1, epoch_end)
             if stop:
                 break
         if bar is not None:
             bar.close()
         if stop:
-            status = "stopped"
-            logger.info("stopping at step %d (%s); checkpoint %s", step,
+            self.status = "stopped"
+            logger.info("stopping at step %d (%s); checkpoint %s", self.step,
                         "stop requested" if stats.stop else f"max_steps={cfg.max_steps}",
-                        last_ckpt)
-            break
+                        self.last_ckpt)
+        return stop
 
-    if metrics is not None:
-        metrics.flush()
-    result = PretrainResult(
-        status=status, step=step, epoch=epochs_done, val_acc=val_acc,
-        val_archs=[list(a) if isinstance(a, tuple) else a for a in archs],
-        train_loss=epoch_loss,
-        samples_per_s=run_steps * world * cfg.batch_size / max(train_time, 1e-9),
-        train_time_s=train_time, resumed_from=pos.path, checkpoint=last_ckpt,
-        sync_checks=sync_checks, world_size=world)
-    if is_master and run_dir is not None:
-        write_json(run_dir / "result.json", {**result.to_dict(), "val_arch_names": [
-            describe(a) for a in archs]})
-    if val_acc:
-        logger.info("pretrain %s at step %d: val acc best %.4f mean %.4f; %.0f samples/s "
-                    "over %d ranks%s", status, step, result.val_acc_best,
-                    result.val_acc_mean, result.samples_per_s, world,
-                    f"; run dir {run_dir}" if run_dir else "")
-    return result
+    def _step(self, idx: torch.Tensor, stop_requested: Optional[Callable[[], bool]]
+              ) -> tuple[StepStats, float]:
+        """One optimizer step on batch ``idx``: the step's reduced stats and its LR."""
+        cfg, space, optimizer = self.cfg, self.space, self.optimizer
+        t0 = time.perf_counter()
+        self.step += 1
+        arch = space.sample(arch_generator(cfg.seed, self.rank, self.step))
+        xb, yb = self.data.x_train[idx], self.data.y_train[idx]
+        optimizer.zero_grad(set_to_none=True)
+        out = space(xb, arch)
+        loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
+        loss.backward()
+        hpc.sync_gradients(space)
+        optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        local_stop = bool(stop_requested()) if stop_requested is not None else False
+        stats = self.reducer(loss.detach() * yb.numel(), (out.argmax(1) == yb).sum(),
+                             yb.numel(), local_stop)
+        self.train_time += time.perf_counter() - t0
+        self.run_steps += 1
+        return stats, lr
+
+    def _record(self, epoch: int, stats: StepStats, lr: float, bar: Any) -> None:
+        """After a step: the sync check, the metrics row and the progress bar."""
+        if self.cfg.check_sync:
+            check_identical(self.space, self.step)
+            self.sync_checks += 1
+        if self.metrics is not None:
+            self.metrics.add([{"step": self.step, "epoch": epoch + 1, "split": "train",
+                               "loss": stats.loss, "acc": stats.acc, "lr": lr,
+                               "samples": stats.samples,
+                               "elapsed_s": round(time.perf_counter() - self.started, 3)}])
+        if bar is not None:
+            bar.set_postfix(loss=f"{stats.loss:.3f}", acc=f"{stats.acc:.3f}", refresh=False)
+            bar.update(1)
+
+    def _end_epoch(self, epoch: int, epoch_loss: float, lr: float) -> None:
+        """The last step of ``epoch`` is done: validate when due, log the summary."""
+        cfg, val_acc = self.cfg, self.val_acc
+        self.epoch_loss, self.epochs_done = epoch_loss, epoch + 1
+        if epoch + 1 == cfg.epochs or (cfg.val_every and (epoch + 1) % cfg.val_every == 0):
+            val_acc = self._validate(epoch)
+        logger.info("epoch %d/%d step %d: train loss %.4f | val acc best %s mean "
+                    "%s (%d sub-nets) | lr %.4g | %.0f samples/s", epoch + 1,
+                    cfg.epochs, self.step, epoch_loss,
+                    f"{max(val_acc):.4f}" if val_acc else "-",
+                    f"{sum(val_acc) / len(val_acc):.4f}" if val_acc else "-",
+                    len(self.archs), lr, self.samples_per_s)
+
+    def _validate(self, epoch: int) -> list[float]:
+        """Validate every architecture of :meth:`prepare_validation` (collective)."""
+        _, self.val_acc = validate(self.space, self.x_val, self.y_val, self.archs,
+                                   self.recal_x)
+        val_acc = self.val_acc
+        if self.metrics is not None:
+            self.metrics.add([{"step": self.step, "epoch": epoch + 1, "split": "val",
+                               "acc_best": max(val_acc),
+                               "acc_mean": sum(val_acc) / len(val_acc)}])
+        return val_acc
+
+    def _checkpoint_after(self, epoch: int, next_batch: int, epoch_end: bool) -> None:
+        """Checkpoint the state after this step; at an epoch end, also plot the metrics."""
+        if self.metrics is not None:
+            self.metrics.flush()
+        next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, next_batch)
+        self.last_ckpt = resume_mod.save(
+            self.cfg, self.run_dir, self.space, self.optimizer, self.scheduler,
+            step=self.step, epoch=next_epoch, batch=next_batch, world=self.world,
+            val_acc=self.val_acc)
+        if self.is_master and epoch_end and self.run_dir is not None:
+            plot_metrics(self.run_dir / "metrics.csv", self.run_dir / "metrics.png")
+
+    @property
+    def samples_per_s(self) -> float:
+        """Global training samples per second over this process's training steps."""
+        return self.run_steps * self.world * self.cfg.batch_size / max(self.train_time, 1e-9)
+
+    def finish(self) -> PretrainResult:
+        """Finish: flush the metrics, write ``result.json`` (master), log the outcome."""
+        if self.metrics is not None:
+            self.metrics.flush()
+        archs, run_dir = self.archs, self.run_dir
+        result = PretrainResult(
+            status=self.status, step=self.step, epoch=self.epochs_done, val_acc=self.val_acc,
+            val_archs=[list(a) if isinstance(a, tuple) else a for a in archs],
+            train_loss=self.epoch_loss, samples_per_s=self.samples_per_s,
+            train_time_s=self.train_time, resumed_from=self.pos.path,
+            checkpoint=self.last_ckpt, sync_checks=self.sync_checks, world_size=self.world)
+        if self.is_master and run_dir is not None:
+            write_json(run_dir / "result.json", {**result.to_dict(), "val_arch_names": [
+                self.describe(a) for a in archs]})
+        if self.val_acc:
+            logger.info("pretrain %s at step %d: val acc best %.4f mean %.4f; %.0f "
+                        "samples/s over %d ranks%s", self.status, self.step,
+                        result.val_acc_best, result.val_acc_mean, result.samples_per_s,
+                        self.world, f"; run dir {run_dir}" if run_dir else "")
+        return result
