@@ -127,12 +127,42 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
             loads, a rank cannot read it, or the world size changed without
             ``cfg.elastic``.
     """
+    path, payload = _agree_on_checkpoint(cfg, run_dir, rank)
+    if path is None or payload is None:
+        return Position()
+    _warn_config_changes(payload.get("config", {}), cfg)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
+    if int(payload["world_size"]) == world:
+        restore_rng(payload["rng"][rank])
+    else:
+        batch = _continue_elastic(cfg, path, payload, optimizer, scheduler, rank, world,
+                                  steps_per_epoch)
+    if rank == 0:
+        logger.info("resumed from %s: step %d done, next: epoch %d batch %d", path, step,
+                    epoch + 1, batch)
+    return Position(path=path, step=step, epoch=epoch, batch=batch,
+                    val_acc=[float(a) for a in payload.get("val_acc", [])])
+
+
+def _agree_on_checkpoint(cfg: PretrainConfig, run_dir: Optional[Path], rank: int
+                         ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+    """(path, payload) on every rank: the master's choice, loaded by each (collective).
+
+    ``(None, None)`` when there is nothing to resume from.
+
+    Raises:
+        CheckpointError: on every rank, when the master's choice failed or any rank
+            could not load the file it chose.
+    """
     path, error, payload = _choose(cfg, run_dir) if rank == 0 else (None, None, None)
     path, error = broadcast_object((path, error))
     if error is not None:
         raise CheckpointError(error)
     if path is None:
-        return Position()
+        return None, None
     failure: Optional[CheckpointError] = None
     if payload is None:
         try:
@@ -146,42 +176,45 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
             + ".\nEvery rank loads the file the master chose.\n"
             "HINT: put --out on a filesystem every node mounts (home or project space, "
             "not node-local /tmp).") from failure
-    _warn_config_changes(payload.get("config", {}), cfg)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
+    return path, payload
+
+
+def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
+                      optimizer: torch.optim.Optimizer, scheduler: Any, rank: int,
+                      world: int, steps_per_epoch: int) -> int:
+    """The batch to continue at after the world size changed (``cfg.elastic`` only).
+
+    Keeps the sample count of the interrupted epoch, moves the LR schedule to that
+    position and reseeds this rank's RNG streams from ``(seed, rank, step)``.
+
+    Raises:
+        CheckpointError: the world size changed and ``cfg.elastic`` is off.
+    """
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
     saved_world = int(payload["world_size"])
-    if saved_world == world:
-        restore_rng(payload["rng"][rank])
-    else:
-        if not cfg.elastic:
-            raise CheckpointError(
-                f"checkpoint {path} was written by {saved_world} ranks but this run has "
-                f"{world}.\nThe sampler's partition, the per-rank RNG streams and the "
-                "steps per epoch depend on the world size, so the resume would not be "
-                "exact.\n"
-                f"HINT: relaunch with {saved_world} ranks, or pass --elastic to continue "
-                "from its weights anyway.")
-        saved_batch = int(payload.get("config", {}).get("batch_size", cfg.batch_size))
-        consumed = batch * saved_world * saved_batch
-        batch = min(consumed // (world * cfg.batch_size), steps_per_epoch)
-        position = epoch * steps_per_epoch + batch
-        scheduler.last_epoch = position
-        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = base * scheduler.lr_lambdas[0](position)
-        hpc.seed_everything(derive_seed(cfg.seed, rank, step))
-        if rank == 0:
-            logger.warning(
-                "world size changed %d -> %d: resuming from %s NOT exactly: epoch %d "
-                "continues at batch %d/%d (same sample count), schedule at step %d of %d, "
-                "RNG streams reseeded from (seed, rank, step)", saved_world, world, path,
-                epoch + 1, batch, steps_per_epoch, position, cfg.epochs * steps_per_epoch)
+    if not cfg.elastic:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved_world} ranks but this run has "
+            f"{world}.\nThe sampler's partition, the per-rank RNG streams and the "
+            "steps per epoch depend on the world size, so the resume would not be "
+            "exact.\n"
+            f"HINT: relaunch with {saved_world} ranks, or pass --elastic to continue "
+            "from its weights anyway.")
+    saved_batch = int(payload.get("config", {}).get("batch_size", cfg.batch_size))
+    consumed = batch * saved_world * saved_batch
+    batch = min(consumed // (world * cfg.batch_size), steps_per_epoch)
+    position = epoch * steps_per_epoch + batch
+    scheduler.last_epoch = position
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = base * scheduler.lr_lambdas[0](position)
+    hpc.seed_everything(derive_seed(cfg.seed, rank, step))
     if rank == 0:
-        logger.info("resumed from %s: step %d done, next: epoch %d batch %d", path, step,
-                    epoch + 1, batch)
-    return Position(path=path, step=step, epoch=epoch, batch=batch,
-                    val_acc=[float(a) for a in payload.get("val_acc", [])])
+        logger.warning(
+            "world size changed %d -> %d: resuming from %s NOT exactly: epoch %d "
+            "continues at batch %d/%d (same sample count), schedule at step %d of %d, "
+            "RNG streams reseeded from (seed, rank, step)", saved_world, world, path,
+            epoch + 1, batch, steps_per_epoch, position, cfg.epochs * steps_per_epoch)
+    return batch
 
 
 def _warn_config_changes(saved: dict[str, Any], cfg: PretrainConfig) -> None:
