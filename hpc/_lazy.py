@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["lazy_attributes"]
+from hpc.errors import HPCError
+
+__all__ = ["lazy_attributes", "resolve_callable"]
 
 
 def lazy_attributes(package: str, modules: Mapping[str, str], public: Sequence[str],
@@ -44,3 +46,37 @@ def lazy_attributes(package: str, modules: Mapping[str, str], public: Sequence[s
         return sorted(public)
 
     return __getattr__, __dir__
+
+
+def resolve_callable(spec: str, *, label: str, example: str, where: str,
+                     error: type[HPCError] = HPCError) -> Callable[..., Any]:
+    """``pkg.mod:func`` (or ``pkg.mod:Class.method``) -> that callable, imported now.
+
+    The one reader of ``module:function`` references (``hpc submit pkg.mod:func``,
+    ``HPC_STEP_HOOK``); the callers say how their messages name the reference.
+
+    Args:
+        spec: The reference.
+        label: How messages name it, e.g. ``HPC_STEP_HOOK='x:y'``.
+        example: A well-formed reference for the HINT.
+        where: Where the module must be importable, for the HINT.
+        error: The :class:`~hpc.errors.HPCError` subclass to raise.
+
+    Raises:
+        HPCError: (``error``) not ``module:function``, the module does not import or
+            has no such attribute, or the attribute is not callable.
+    """
+    module, sep, attr = spec.partition(":")
+    if not (sep and module and attr):
+        raise error(f"{label} is not module:function.\nHINT: write it as {example}.")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise error(f"{label} cannot be loaded: {type(e).__name__}: {e}.\n"
+                    f"HINT: put the module on PYTHONPATH {where}.") from e
+    if not callable(obj):
+        raise error(f"{label} is a {type(obj).__name__}, not a function.\n"
+                    "HINT: point at a function.")
+    return obj

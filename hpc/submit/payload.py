@@ -25,7 +25,6 @@ This module imports submitit: only jobs and ``hpc submit`` import it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import runpy
@@ -36,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
+from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
 from hpc.pretrain.config import PretrainConfig
 from hpc.submit.preempt import (EXIT_REQUEUED, PreemptGuard, read_budget, requeue_after_stop,
@@ -167,22 +167,8 @@ def resolve_function(spec: str) -> Callable[..., Any]:
     Raises:
         SubmitError: the module does not import or has no such attribute.
     """
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise SubmitError(f"{spec!r} is not a function reference.\n"
-                          "HINT: write it as package.module:function.")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise SubmitError(f"cannot load {spec!r}: {type(e).__name__}: {e}.\n"
-                          "HINT: check the module path and that it is importable on the "
-                          "nodes (same Python environment).") from e
-    if not callable(obj):
-        raise SubmitError(f"{spec!r} is a {type(obj).__name__}, not a callable.\n"
-                          "HINT: point at a function.")
-    return obj
+    return resolve_callable(spec, label=repr(spec), example="package.module:function",
+                            where="on the nodes (same Python environment)", error=SubmitError)
 
 
 class FunctionJob(_Requeueable):

@@ -39,7 +39,6 @@ before the time limit; ``scancel --signal=USR2 ID`` sends it by hand; with
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import signal
@@ -49,6 +48,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
 
 __all__ = [
@@ -134,20 +134,9 @@ def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Call
     spec = env.get("HPC_STEP_HOOK", "").strip()
     if not spec:
         return None
-    module, sep, name = spec.partition(":")
-    if not (sep and module and name):
-        raise SubmitError(f"HPC_STEP_HOOK={spec!r} is not module:function.\n"
-                          "HINT: e.g. HPC_STEP_HOOK=mypkg.hooks:on_step, or unset it.")
-    try:
-        hook = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise SubmitError(f"HPC_STEP_HOOK={spec!r} cannot be loaded: {e}.\n"
-                          "HINT: put the module on PYTHONPATH of the job, or unset "
-                          "HPC_STEP_HOOK.") from e
-    if not callable(hook):
-        raise SubmitError(f"HPC_STEP_HOOK={spec!r} is a {type(hook).__name__}, not a "
-                          "function.\nHINT: name a function taking no arguments.")
-    return hook
+    return resolve_callable(spec, label=f"HPC_STEP_HOOK={spec!r}",
+                            example="HPC_STEP_HOOK=mypkg.hooks:on_step, or unset it",
+                            where="of the job, or unset HPC_STEP_HOOK", error=SubmitError)
 
 
 class PreemptGuard:

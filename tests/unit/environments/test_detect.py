@@ -37,7 +37,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
                                     port=None, job_id=None),
     "sbatch_batchstep_env.txt": dict(launcher="slurm", world=1, nodes=1, master="127.0.0.1",
                                      port=15000 + (30 * 64 + 4094) % 17000, job_id="30.batch"),
-    # Issue 3's captures on the local test cluster (README: how each was launched).
+    # Captures on the local test cluster (the fixtures' README: how each was launched).
     # MPI inside an allocation: the MPI variables win over the launcher step's SLURM_*.
     "mpirun_openmpi_salloc_env.txt": dict(launcher="openmpi", world=4, nodes=2, master=None,
                                           port=None, job_id="2055929857"),
