@@ -102,9 +102,13 @@ def seed_everything(seed: int) -> None:
 
 
 def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
+    """(backend, device) of this rank: the local rank's GPU when the backend moves CUDA
+    tensors through NCCL and one is visible, else gloo (or ``backend``) on the CPU."""
     import torch
 
-    if backend not in (None, "nccl") or not torch.cuda.is_available():
+    from hpc.bootstrap.backend import DEFAULT_GPU_BACKEND, uses_cuda
+
+    if not uses_cuda(backend) or not torch.cuda.is_available():
         return backend or "gloo", torch.device("cpu")
     count = torch.cuda.device_count()
     if count == 0:
@@ -122,7 +126,7 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
             "or pass backend='gloo' to run on CPU."
         )
     torch.cuda.set_device(index)
-    return backend or "nccl", torch.device("cuda", index)
+    return backend or DEFAULT_GPU_BACKEND, torch.device("cuda", index)
 
 
 def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
@@ -132,8 +136,11 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     """Detect the launch, export it, bind the GPU, seed and init torch.distributed.
 
     Args:
-        backend: ``nccl``/``gloo``/...; default nccl when this local rank has a GPU,
-            else gloo.
+        backend: ``nccl``/``gloo``/``cpu:gloo,cuda:nccl``/...; default
+            ``cpu:gloo,cuda:nccl`` when this local rank has a GPU (CUDA tensors over
+            NCCL, CPU tensors over gloo in the same group), else ``gloo``. Every rank
+            must end up with the same backend: the pre-flight refuses a mix (a rank
+            that sees no GPU while the others do) naming the ranks.
         seed: When given, seeds python, numpy and torch with the same value on every
             rank (identical initial weights).
         timeout: Timeout of collectives (``timedelta`` or seconds).
@@ -185,22 +192,26 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
                         connect_timeout: float, env: Mapping[str, str]) -> None:
     """The pre-flight (more than one rank), ``init_process_group`` on its store, and
     the wait until every rank has finished that."""
+    import torch
     import torch.distributed as dist
 
     from hpc.bootstrap import preflight
+    from hpc.bootstrap.backend import device_id_supported, uses_cuda
 
+    nccl = uses_cuda(backend) and dev.type == "cuda"
     if info.world_size == 1:
         store = dist.HashStore()
     else:
         gpu = None
-        if backend == "nccl" and dev.type == "cuda":
+        if nccl:
             from hpc.bootstrap import gpubind
 
             gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
-        store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu)
+        store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
+                                    backend=backend)
     kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = dev
+    if nccl and device_id_supported(torch.__version__):
+        kwargs["device_id"] = dev  # eager NCCL init; see hpc.bootstrap.backend
     dist.init_process_group(backend, store=dist.PrefixStore("hpc/pg", store),
                             rank=info.rank, world_size=info.world_size, timeout=timeout,
                             **kwargs)

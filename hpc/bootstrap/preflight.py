@@ -8,7 +8,9 @@ The pre-flight turns the two classic silent hangs into errors within seconds:
 * a missing rank (``--ntasks`` vs ``--ntasks-per-node``, a dead process): rank 0 waits
   for every rank's key in its store and reports exactly which ranks never came.
 
-It also stops nccl ranks that would share one GPU (see :mod:`hpc.bootstrap.gpubind`) before NCCL
+It also refuses ranks that picked different backends (a rank that sees no GPU falls
+back to gloo while its peers start NCCL, and both would hang in init), and stops nccl
+ranks that would share one GPU (see :mod:`hpc.bootstrap.gpubind`) before NCCL
 fails on them with "Duplicate GPU detected" or stalls.
 
 Non-master ranks only open the torch store once rank 0's port accepts connections, so
@@ -25,13 +27,13 @@ import socket
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 from hpc.bootstrap import gpubind
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
 
-__all__ = ["confirm_init", "preflight"]
+__all__ = ["confirm_init", "mixed_backend_error", "preflight"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +77,15 @@ def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> No
 
 
 def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
-              environ: Optional[Mapping[str, str]] = None,
-              gpu: Optional[gpubind.GpuClaim] = None) -> Any:
+              environ: Mapping[str, str] | None = None,
+              gpu: gpubind.GpuClaim | None = None,
+              backend: str | None = None) -> Any:
     """Bring every rank together on rank 0's TCPStore and return the store.
 
     ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
+    ``backend`` is the backend this rank picked; rank 0 refuses a mix (None: unchecked).
+    The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
+    unique id through it, so what was left of the pre-flight window must not apply.
 
     Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves the
     store at ``MASTER_PORT``; every rank, rank 0 included, joins it as a client, and keys
@@ -88,7 +94,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     Raises:
         RendezvousError: the master is unreachable, its port is taken, a rank is
             missing at the deadline, or two processes claim the same rank.
-        LaunchEnvironmentError: two ranks would share one GPU under nccl (every rank).
+        LaunchEnvironmentError: two ranks would share one GPU under nccl, or ranks
+            picked different backends (every rank).
     """
     addr, port = info.master_addr, info.master_port
     assert addr and port, "resolve_master() runs first"
@@ -96,11 +103,12 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
     store = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
-    _join(store, info, gpu)
+    _join(store, info, gpu, backend)
     if info.rank == 0:
-        _master_wait(store, info, addr, port, deadline, start)
+        _master_wait(store, info, addr, port, deadline, start, backend)
     else:
         _worker_wait(store, info, addr, port, deadline + 10.0)
+    store.set_timeout(pg_timeout)  # torch resets it only for stores it makes itself
     logger.debug("pre-flight done in %.3fs", time.monotonic() - start)
     return store
 
@@ -135,7 +143,8 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
                          timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
 
 
-def _join(store: Any, info: DistInfo, gpu: Optional[gpubind.GpuClaim]) -> None:
+def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
+          backend: str | None = None) -> None:
     """Claim this rank's slot (refusing a second claimant), publish the GPU, report in."""
     if store.add(f"hpc/pf/claim/{info.rank}", 1) != 1:
         raise RendezvousError(
@@ -149,12 +158,15 @@ def _join(store: Any, info: DistInfo, gpu: Optional[gpubind.GpuClaim]) -> None:
     if gpu is not None:
         gpubind.publish(store, gpu)  # before joining: rank 0 then sees every claim
     me = {"host": socket.gethostname(), "pid": os.getpid(), "local_rank": info.local_rank,
-          "world_size": info.world_size}
+          "world_size": info.world_size, "backend": backend,
+          "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if backend is not None:
+        store.add(f"hpc/pf/backend/{backend}", 1)
     store.set(f"hpc/pf/{info.rank}", json.dumps(me))
 
 
 def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
-                 deadline: float, start: float) -> None:
+                 deadline: float, start: float, backend: str | None = None) -> None:
     keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=max(0.01, deadline - time.monotonic())))
@@ -172,11 +184,49 @@ def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
         )
         _abort(store, "abort:" + msg, info.world_size - 1 - len(missing))
         raise RendezvousError(msg) from e
+    mixed = _mixed_backends(store, info, backend)
+    if mixed is not None:
+        _abort(store, "abort-launch:" + str(mixed), info.world_size - 1)
+        raise mixed
     shared = gpubind.find_shared(store)
     if shared is not None:
         _abort(store, "abort-launch:" + str(shared), info.world_size - 1)
         raise shared
     store.set("hpc/pf/go", "ok")
+
+
+def _mixed_backends(store: Any, info: DistInfo, backend: str | None
+                    ) -> LaunchEnvironmentError | None:
+    """On rank 0 after all joined: the error when ranks picked different backends.
+
+    One counter read when all agree; the ranks' reports only on the error path.
+    """
+    if backend is None or store.add(f"hpc/pf/backend/{backend}", 0) == info.world_size:
+        return None
+    reports = [json.loads(store.get(f"hpc/pf/{r}").decode()) for r in range(info.world_size)]
+    return mixed_backend_error([(r, m.get("backend"), m.get("host", "?"), m.get("visible"))
+                                for r, m in enumerate(reports)])
+
+
+def mixed_backend_error(ranks: list[tuple[int, str | None, str, str | None]]
+                        ) -> LaunchEnvironmentError:
+    """The error for ranks ``(rank, backend, host, CUDA_VISIBLE_DEVICES)`` that disagree."""
+    by: dict[str, list[tuple[int, str, str | None]]] = {}
+    for rank, name, host, visible in ranks:
+        by.setdefault(str(name), []).append((rank, host, visible))
+    parts = []
+    for name, members in sorted(by.items(), key=lambda kv: -len(kv[1])):
+        shown = ", ".join(f"{r} ({h}, CUDA_VISIBLE_DEVICES={v})" for r, h, v in members[:8])
+        more = f" and {len(members) - 8} more" if len(members) > 8 else ""
+        parts.append(f"{name}: rank(s) {shown}{more}")
+    return LaunchEnvironmentError(
+        "ranks picked different torch.distributed backends: " + "; ".join(parts) + ".\n"
+        "With the default backend a rank that sees no GPU falls back to gloo while its "
+        "peers start NCCL; the two cannot form one group and init_process_group would "
+        "hang.\n"
+        "HINT: check the GPU allocation of the listed node(s) (nvidia-smi, "
+        "--gpus-per-task / --gpus-per-node, CUDA_VISIBLE_DEVICES), or pass the same "
+        "backend to hpc.init_torch() on every rank (backend='gloo' to run on CPU).")
 
 
 def _abort(store: Any, verdict: str, readers: int, linger: float = 3.0) -> None:
