@@ -21,7 +21,7 @@ __all__ = ["DEFAULT_GPU_BACKEND", "device_id_supported", "parse_backend", "uses_
 DEFAULT_GPU_BACKEND = "cpu:gloo,cuda:nccl"
 
 #: Backends that move tensors of each device type when named alone (torch's table).
-_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda"),
+_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu",),
             "ucc": ("cpu", "cuda"), "xccl": ("xpu",)}
 
 

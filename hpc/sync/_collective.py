@@ -74,17 +74,18 @@ def comm_device(group: Optional[Any] = None, tensor_device: Optional[torch.devic
                 ) -> torch.device:
     """Device for a collective's buffers.
 
-    ``tensor_device`` itself when the backend can move its tensors (gloo: CPU and CUDA;
-    nccl: CUDA), else the current CUDA device (CPU tensors under nccl are staged).
+    ``tensor_device`` itself when the group's backend moves tensors of its type (gloo:
+    CPU and CUDA; nccl: CUDA; mpi: CPU; ``cpu:gloo,cuda:nccl``: both, each on its own
+    backend), else the CPU when the backend moves CPU tensors, else the current CUDA
+    device (CPU tensors under plain nccl are staged). Without ``tensor_device``: the CPU
+    where the backend can (host-side agreement never touches the GPU there).
     """
-    backend = _backend(group)
-    cpu_ok = "gloo" in backend or "mpi" in backend or "ucc" in backend
-    if tensor_device is not None:
-        if tensor_device.type == "cpu" and cpu_ok:
-            return tensor_device
-        if tensor_device.type == "cuda" and backend != "mpi":
-            return tensor_device
-    if cpu_ok:
+    from hpc.bootstrap.backend import parse_backend
+
+    devices = parse_backend(_backend(group))
+    if tensor_device is not None and tensor_device.type in devices:
+        return tensor_device
+    if "cpu" in devices:
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -148,6 +148,10 @@ class GradSync:
         self._numels = [p.numel() for p in self.params]
         self._keys = [(p.device, p.dtype) for p in self.params]
         self._itemsizes = [p.element_size() for p in self.params]
+        #: Strides of a dense non-contiguous parameter (channels_last), else None: its
+        #: synced gradient keeps that layout, as DDP's bucket views do.
+        self._strides = [None if p.is_contiguous() or not _dense(p) else p.stride()
+                         for p in self.params]
         self._capacity: dict[Any, int] = {}
         for p in self.params:
             self._capacity[(p.device, p.dtype)] = (
@@ -238,7 +242,7 @@ class GradSync:
         mine = st.mine.tolist()
         for b in st.plan:
             device, dtype = b.key
-            cap = min(self._capacity[b.key], self.bucket_bytes // self._itemsizes[b.idx[0]])
+            cap = self._arena_capacity(b, st.overlap)
             b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel, cap)
             for i, off in zip(b.idx, b.offsets):
                 st.where[i] = (b, off)
@@ -249,18 +253,57 @@ class GradSync:
             self._pack(st, i, scale)
         st.ready = []
 
+    def _arena_capacity(self, b: Bucket, overlap: bool) -> int:
+        """Elements a new arena buffer for ``b`` reserves: the bucket size of the mode
+        that planned it (4 MiB in overlap mode, not the 25 MiB of :meth:`sync`), at most
+        the bytes of all parameters of its (device, dtype)."""
+        limit = self.overlap_bucket_bytes if overlap else self.bucket_bytes
+        return min(self._capacity[b.key], limit // self._itemsizes[b.idx[0]])
+
+    def _view(self, flat: torch.Tensor, off: int, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slot in ``flat``, shaped (and strided) like the parameter."""
+        p = self.params[i]
+        strides = self._strides[i]
+        if strides is None:
+            return flat[off:off + self._numels[i]].view(p.shape)
+        return flat.as_strided(p.shape, strides, flat.storage_offset() + off)
+
     def _pack(self, st: _Step, i: int, scale: float) -> None:
         b, off = st.where[i]
-        dst = b.flat[off:off + self._numels[i]]
+        dst = self._view(b.flat, off, i)
         g = self.params[i].grad
         if g is None:  # reachable, yet autograd produced nothing: contributes zero
             dst.zero_()
+        elif g.device != dst.device:  # a CPU parameter under plain nccl: stage it
+            dst.copy_(g)
+            dst.mul_(scale)  # the same product as mul_out below, on the comm device
         else:
-            torch.mul(g.reshape(-1), scale, out=dst)  # DDP's reducer: mul_out(1/ws)
-            if b.kind == "broadcast":
-                dst.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it (cache-hot)
+            torch.mul(g, scale, out=dst)  # DDP's reducer: mul_out(1/ws)
+        if g is not None and b.kind == "broadcast":
+            dst.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it (cache-hot)
         b.pending -= 1
         st.packed.add(i)
+
+    def _pack_many(self, st: _Step, todo: list[int], scale: float) -> None:
+        """:meth:`_pack` for many parameters, fused: one ``_foreach_copy_`` and one
+        ``_foreach_mul_`` per bucket instead of a kernel per gradient (the same
+        products). Parameters without a gradient, on another device, or in a broadcast
+        bucket go one by one."""
+        fused: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i in todo:
+            b, off = st.where[i]
+            g = self.params[i].grad
+            if g is None or b.kind != "mean" or g.device != b.flat.device:
+                self._pack(st, i, scale)
+                continue
+            dsts, srcs = fused.setdefault(id(b), ([], []))
+            dsts.append(self._view(b.flat, off, i))
+            srcs.append(g)
+            b.pending -= 1
+            st.packed.add(i)
+        for dsts, srcs in fused.values():
+            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_mul_(dsts, scale)
 
     def _launch_ready(self, st: _Step) -> None:
         """Issue the next buckets, in plan order, while they are fully packed."""
@@ -308,9 +351,8 @@ class GradSync:
         try:
             for b in plan[st.launched:]:
                 if b.kind == "mean" or b.owner == rank:
-                    for i in b.idx:
-                        if mine[i] and i not in st.packed:
-                            self._pack(st, i, scale)
+                    self._pack_many(st, [i for i in b.idx
+                                         if mine[i] and i not in st.packed], scale)
                 self._launch_ready(st)
             sent = 0
             for b in plan:
@@ -323,7 +365,7 @@ class GradSync:
                     if b.exact and not st.counts[i]:
                         continue  # zeros of a DDP-layout bucket: nobody used it
                     p = self.params[i]
-                    view = b.flat[off:off + self._numels[i]].view(p.shape)
+                    view = self._view(b.flat, off, i)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
             self.stats = {"params_synced": sent, "params_skipped": len(self.params) - sent,
@@ -342,6 +384,18 @@ class GradSync:
                 self.params, limits, [False] * len(self.params))
             self._ddp_buckets = [list(b) for b in reversed(indices)]
         return self._ddp_buckets
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill exactly ``numel`` consecutive slots in some
+    dimension order (contiguous, channels_last, any permutation), with no overlap."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
