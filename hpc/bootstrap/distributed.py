@@ -227,17 +227,27 @@ def _register_exit(rank: int, env: Mapping[str, str]) -> None:
     _STATE["atexit"] = True
     from hpc.bootstrap import failure
 
+    failure.watch()  # teardown aborts, rather than destroys, a failing rank's group
     failure.install(rank, env)  # after teardown's handler: runs before it
 
 
 def teardown() -> None:
-    """Destroy the process group (safe to call twice; also runs at exit)."""
+    """Destroy the process group (safe to call twice; also runs at exit).
+
+    A failing process (:func:`hpc.bootstrap.failure.failed`) aborts the group instead:
+    destroying it flushes pending NCCL work, which hangs when peers are gone, and the
+    launcher's kill-on-bad-exit or ``hpc run``'s report would never come.
+    """
     try:
         import gc
 
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        from hpc.bootstrap import failure
+
+        if dist.is_available() and dist.is_initialized() and failure.failed():
+            _abort_group(dist)
+        elif dist.is_available() and dist.is_initialized():
             # Free unreferenced Work handles while the group still exists: a gloo Work
             # destroyed after its group, during interpreter shutdown, can abort the
             # process ("terminate called without an active exception").
@@ -247,6 +257,17 @@ def teardown() -> None:
     except Exception as e:  # pragma: no cover - best effort at exit
         logger.debug("teardown: %s", e)
     _STATE.update(info=None, device=None)
+
+
+def _abort_group(dist: Any) -> None:
+    """Abort every process group without flushing their work (torch >= 2.2's private
+    ``_abort_process_group``; destroy where it is missing)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    logger.debug("teardown: failing, aborting the process group")
+    if abort is None:  # pragma: no cover - older torch
+        dist.destroy_process_group()
+    else:
+        abort()
 
 
 def info() -> DistInfo:

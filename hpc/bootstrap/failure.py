@@ -5,11 +5,25 @@ moment its failure began (an uncaught exception, or the start of a non-zero exit
 written before the rank's sockets close. Ranks that fail *because* a peer died
 ("Connection closed by peer") fail later, so the earliest mark is the root cause, as in
 torchrun's error files.
+
+A rank killed by a signal runs no Python at all: an NCCL watchdog timeout calls
+``std::abort()`` (SIGABRT) from a C++ thread. For that case :func:`install` points
+:mod:`faulthandler` at ``$HPC_ERROR_DIR/<rank>.fault``: the C-level handler writes the
+Python stacks there before the process dies, and :func:`read_mark` takes the file's
+modification time as the mark (a process that enabled faulthandler itself keeps its
+own file).
+
+:func:`failed` tells the teardown whether this process is failing (an uncaught
+exception, or :func:`note_failure` from an entry point that returns a non-zero status),
+so that it aborts the process group instead of destroying it: on torch >= 2.6
+``destroy_process_group()`` flushes pending NCCL work and can hang a rank whose peers
+are gone (pytorch/pytorch#141510).
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import sys
@@ -17,11 +31,40 @@ import time
 import traceback
 from pathlib import Path
 from types import TracebackType
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["install", "read_mark"]
+__all__ = ["failed", "install", "note_failure", "read_mark", "watch"]
 
 _INSTALLED: dict[str, bool] = {}
+_FAILED: dict[str, str] = {}
+#: Open file objects faulthandler writes into (must outlive the process).
+_FAULT_FILES: list[Any] = []
+
+
+def note_failure(reason: str = "failed") -> None:
+    """Mark this process as failing (an entry point about to return non-zero)."""
+    _FAILED.setdefault("reason", reason)
+
+
+def failed() -> bool:
+    """True once an uncaught exception reached ``sys.excepthook`` or
+    :func:`note_failure` was called."""
+    return bool(_FAILED)
+
+
+def watch() -> None:
+    """Note uncaught exceptions for :func:`failed` (idempotent, chains the hook)."""
+    if _INSTALLED.get("<watch>"):
+        return
+    _INSTALLED["<watch>"] = True
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException,
+             tb: TracebackType | None) -> None:
+        note_failure(kind.__name__)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _write(path: Path, message: str) -> None:
@@ -56,12 +99,29 @@ def install(rank: int, environ: Optional[dict[str, str]] = None) -> None:
     # mark the start of every exit; the launcher reads marks of failed ranks only.
     # Registered after the teardown handler, so it runs before the group is destroyed.
     atexit.register(_write, path, "exited with a non-zero code")
+    if not faulthandler.is_enabled():
+        try:
+            fault = open(Path(directory) / f"{rank}.fault", "w")  # noqa: SIM115
+        except OSError:
+            return
+        _FAULT_FILES.append(fault)
+        faulthandler.enable(file=fault, all_threads=True)
 
 
 def read_mark(directory: str, rank: int) -> Optional[tuple[float, str]]:
-    """``(time, message)`` of ``rank``'s failure mark, if it wrote one."""
+    """``(time, message)`` of ``rank``'s failure mark, if it wrote one: the JSON mark,
+    else a non-empty faulthandler file (a fatal signal such as NCCL's SIGABRT)."""
     try:
         data = json.loads((Path(directory) / f"{rank}.json").read_text())
         return float(data["time"]), str(data["message"])
     except (OSError, ValueError, KeyError):
-        return None
+        pass
+    fault = Path(directory) / f"{rank}.fault"
+    try:
+        text = fault.read_text(errors="replace").strip()
+        if text:
+            first = text.splitlines()[0]  # "Fatal Python error: Aborted"
+            return fault.stat().st_mtime, f"{first} (fatal signal; stacks in {fault})"
+    except OSError:
+        pass
+    return None

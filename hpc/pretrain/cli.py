@@ -117,6 +117,9 @@ def _run(args: argparse.Namespace) -> int:
         result = pretrain(cfg, stop_requested=guard)
     except (HPCError, ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
+        from hpc.bootstrap.failure import note_failure
+
+        note_failure(type(e).__name__)  # the exit aborts the process group
         return 1
     if stopped_by_request(result.status, result.step, cfg.max_steps):
         return requeue_after_stop(result.step, result.checkpoint, rank=info.rank,
