@@ -108,7 +108,10 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
 
     from hpc.bootstrap.backend import DEFAULT_GPU_BACKEND, uses_cuda
 
-    if not uses_cuda(backend) or not torch.cuda.is_available():
+    if not uses_cuda(backend):
+        return backend or "gloo", torch.device("cpu")
+    _bind_mig(info)
+    if not torch.cuda.is_available():
         return backend or "gloo", torch.device("cpu")
     count = torch.cuda.device_count()
     if count == 0:
@@ -127,6 +130,27 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
         )
     torch.cuda.set_device(index)
     return backend or DEFAULT_GPU_BACKEND, torch.device("cuda", index)
+
+
+def _bind_mig(info: DistInfo) -> None:
+    """Give this local rank its own MIG instance when every rank got the whole list
+    (CUDA would show each of them only the first); before CUDA is initialised."""
+    import torch
+
+    from hpc.bootstrap.gpubind import narrow_mig
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mine = narrow_mig(visible, info.local_rank, info.local_world_size)
+    if mine is None:
+        return
+    if torch.cuda.is_initialized():
+        logger.warning("CUDA_VISIBLE_DEVICES lists %s MIG instances but CUDA was "
+                       "initialised before hpc.init_torch(): every rank sees the first",
+                       len(visible.split(",")) if visible else 0)
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = mine
+    logger.info("local rank %d: CUDA_VISIBLE_DEVICES=%s (its MIG instance of %s)",
+                info.local_rank, mine, visible)
 
 
 def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,

@@ -10,6 +10,12 @@ publishes the UUID of the GPU it bound in the pre-flight store
 aborts start-up on every rank with :func:`shared_gpu_error`, naming the ranks, the GPU
 and the fix.
 
+MIG: CUDA enumerates one MIG instance per process (NVIDIA's MIG user guide), the first
+one ``CUDA_VISIBLE_DEVICES`` names. When a node's ranks are all handed the same list of
+MIG UUIDs (``MIG-<uuid>``, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``), every rank would
+see and bind that first one. :func:`narrow_mig` gives local rank *i* the *i*-th
+instance instead; :func:`hpc.init_torch` applies it before CUDA is touched.
+
 Store keys (under the pre-flight's prefix): ``hpc/pf/gpu/<host>/<uuid>`` counts the
 ranks on a GPU, ``.../<n>`` holds the n-th one's :class:`GpuClaim` as JSON, and
 ``hpc/pf/gpu-shared`` names a GPU claimed twice (absent when all is well), so rank 0
@@ -28,7 +34,8 @@ from typing import Any, Optional
 
 from hpc.errors import LaunchEnvironmentError
 
-__all__ = ["GpuClaim", "local_claim", "publish", "find_shared", "shared_gpu_error"]
+__all__ = ["GpuClaim", "local_claim", "publish", "find_shared", "shared_gpu_error",
+           "mig_devices", "narrow_mig"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +126,27 @@ def shared_gpu_error(claims: Sequence[GpuClaim]) -> LaunchEnvironmentError:
         "equal to the GPUs per node; hpc run --nproc at most the GPU count), or pass "
         "backend='gloo' to hpc.init_torch() to run these ranks on CPU."
     )
+
+
+def mig_devices(visible: str | None) -> list[str]:
+    """The MIG instances ``CUDA_VISIBLE_DEVICES`` names, in order; [] unless every entry
+    is a MIG UUID (``MIG-<uuid>`` or ``MIG-GPU-<uuid>/<gi>/<ci>``)."""
+    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
+    if not entries or not all(e.upper().startswith("MIG-") for e in entries):
+        return []
+    return entries
+
+
+def narrow_mig(visible: str | None, local_rank: int, local_world_size: int
+               ) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` local rank ``local_rank`` should use (pure).
+
+    The rank's own MIG instance when the variable lists several and there is one for
+    each of the node's ``local_world_size`` ranks; None (leave it) otherwise: one entry
+    (already bound), not MIG, or too few instances (the pre-flight's shared-GPU check
+    then names the ranks).
+    """
+    migs = mig_devices(visible)
+    if len(migs) < 2 or local_rank >= len(migs) or len(migs) < local_world_size:
+        return None
+    return migs[local_rank]

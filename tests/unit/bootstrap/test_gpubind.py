@@ -87,3 +87,48 @@ def test_local_claim_none_when_cuda_fails(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", broken)
     assert gpubind.local_claim(0, 0, 0) is None
+
+
+# --------------------------------------------------------------------- MIG
+_NEW = ["MIG-3b4f1a2c-1d2e-5f60-8a9b-0c1d2e3f4a5b", "MIG-9e8d7c6b-5a49-5382-9170-6f5e4d3c2b1a"]
+_OLD = ["MIG-GPU-5f1a2b3c-4d5e-6f70-8192-a3b4c5d6e7f8/1/0",
+        "MIG-GPU-5f1a2b3c-4d5e-6f70-8192-a3b4c5d6e7f8/2/0"]
+
+
+def test_mig_devices_parses_both_uuid_forms() -> None:
+    from hpc.bootstrap.gpubind import mig_devices
+
+    assert mig_devices(",".join(_NEW)) == _NEW
+    assert mig_devices(" , ".join(_OLD)) == _OLD
+    assert mig_devices("0,1") == [] and mig_devices(None) == [] and mig_devices("") == []
+    assert mig_devices(f"0,{_NEW[0]}") == []  # mixed: not a MIG list
+
+
+def test_narrow_mig_gives_each_local_rank_its_instance() -> None:
+    from hpc.bootstrap.gpubind import narrow_mig
+
+    both = ",".join(_NEW)
+    assert narrow_mig(both, 0, 2) == _NEW[0] and narrow_mig(both, 1, 2) == _NEW[1]
+    assert narrow_mig(",".join(_OLD), 1, 2) == _OLD[1]
+    assert narrow_mig(_NEW[0], 0, 1) is None        # already one instance per task
+    assert narrow_mig(both, 2, 3) is None           # too few: the shared-GPU check names it
+    assert narrow_mig(both, 0, 3) is None
+    assert narrow_mig("0,1", 1, 2) is None          # whole GPUs: torch picks by index
+
+
+def test_init_binds_the_local_ranks_mig_instance(monkeypatch) -> None:
+    """_pick_device narrows CUDA_VISIBLE_DEVICES before CUDA is touched."""
+    import torch
+
+    from hpc.bootstrap import distributed
+    from hpc.environments.base import DistInfo
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(_NEW))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU host
+    info = DistInfo(launcher="local", rank=1, local_rank=1, world_size=2,
+                    local_world_size=2)
+    assert distributed._pick_device(info, None) == ("gloo", torch.device("cpu"))
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == _NEW[1]
