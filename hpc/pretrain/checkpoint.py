@@ -183,6 +183,9 @@ def capture_rng() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        # the rank's own GPU (hpc.init_torch bound it): what a resume with another
+        # number of visible devices per process restores
+        state["cuda_current"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -196,10 +199,22 @@ def restore_rng(state: dict[str, Any]) -> None:
                          int(npst["pos"]), int(npst["has_gauss"]), float(npst["cached"])))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-        else:
-            logger.warning("checkpoint holds %d CUDA RNG states but %d devices are "
-                           "visible; CUDA RNG not restored", len(states),
-                           torch.cuda.device_count())
+        _restore_cuda_rng(state)
+
+
+def _restore_cuda_rng(state: dict[str, Any]) -> None:
+    """All devices' states when as many are visible as were saved; else the saved
+    rank's own device state into this rank's current device (one GPU per rank: e.g.
+    saved seeing the node's 4 GPUs, resumed with ``--gpus-per-task=1``)."""
+    states = state["cuda"]
+    if len(states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states)
+    elif "cuda_current" in state:
+        torch.cuda.set_rng_state(state["cuda_current"], torch.cuda.current_device())
+        logger.debug("CUDA RNG: %d saved devices, %d visible: restored the rank's own "
+                     "device state into cuda:%d", len(states), torch.cuda.device_count(),
+                     torch.cuda.current_device())
+    else:  # a checkpoint written before the per-rank state was saved
+        logger.warning("checkpoint holds %d CUDA RNG states but %d devices are "
+                       "visible; CUDA RNG not restored", len(states),
+                       torch.cuda.device_count())

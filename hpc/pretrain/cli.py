@@ -80,6 +80,8 @@ def _build(p: argparse.ArgumentParser) -> None:
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     a("--check-sync", action="store_true",
       help="debug: verify after every step that all ranks hold identical weights")
+    a("--no-deterministic", dest="deterministic", action="store_false",
+      help="let cuDNN autotune (faster convolutions on GPUs; resume no longer bitwise)")
     a("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"),
       help="console level on local masters (default INFO)")
 

@@ -56,6 +56,11 @@ class PretrainConfig:
         check_sync: Debug: after every step all-gather a digest of parameters and
             buffers and raise :class:`~hpc.ModelMismatchError` when ranks differ.
         setup_logging: Call :func:`hpc.setup_logging` with the run directory's log file.
+        deterministic: cuDNN uses deterministic algorithms and no autotuning
+            (``torch.backends.cudnn.deterministic = True``, ``benchmark = False``), so
+            a resumed GPU run repeats the bits of an uninterrupted one. The cost is
+            cuDNN's autotuned speed-up for the convolutions (not measured here: no GPU);
+            ``--no-deterministic`` lets cuDNN autotune. No effect on CPU.
     """
 
     epochs: int = 15
@@ -81,6 +86,7 @@ class PretrainConfig:
     progress: bool = True
     check_sync: bool = False
     setup_logging: bool = True
+    deterministic: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` (house format) on an impossible value."""

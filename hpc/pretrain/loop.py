@@ -177,6 +177,7 @@ class _Run:
         """Setup: init, logging, data on the device, the synced model, optimizer, schedule."""
         self.cfg = cfg
         self.info = info = hpc.init_torch(seed=cfg.seed)
+        resume_mod.set_determinism(cfg.deterministic)
         self.rank, self.world, self.dev = info.rank, info.world_size, hpc.device()
         self.run_dir = run_dir = Path(cfg.out) if cfg.out else None
         if cfg.setup_logging:

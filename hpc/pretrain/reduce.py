@@ -56,12 +56,17 @@ class StepReducer:
     """
 
     def __init__(self, module: nn.Module, device: torch.device) -> None:
-        self.buffers: list[Tensor] = []
+        floats: list[Tensor] = []
+        ints: list[Tensor] = []
         for m in module.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
                 for b in (m.running_mean, m.running_var, m.num_batches_tracked):
                     if b is not None:
-                        self.buffers.append(b)
+                        (floats if b.is_floating_point() else ints).append(b)
+        #: Floating buffers first, then the integer counters (rounded after the mean).
+        self.buffers: list[Tensor] = floats + ints
+        self._n_float = len(floats)
+        self._sizes = [b.numel() for b in self.buffers]
         self.device = device
         self.world = _world()
 
@@ -73,20 +78,30 @@ class StepReducer:
             return StepStats(loss=loss_total / max(count, 1), acc=corr / max(count, 1),
                              samples=count, stop=stop)
         extra = torch.tensor([float(count), float(stop)], device=self.device)
+        # One cat (it promotes the int64 counters) and, after the all_reduce, one div,
+        # one round and two multi-tensor copies: a fixed handful of kernels per step,
+        # not three per buffer.
         flat = torch.cat([loss_sum.detach().float().reshape(1).to(self.device),
                           correct.float().reshape(1).to(self.device), extra]
-                         + [b.reshape(-1).float() for b in self.buffers])
+                         + [b.reshape(-1) for b in self.buffers]).float()
         dist.all_reduce(flat)
         values = flat[:4].tolist()
-        off = 4
-        for b in self.buffers:
-            n = b.numel()
-            mean = flat[off:off + n].view(b.shape) / self.world
-            b.copy_(mean if b.is_floating_point() else mean.round())
-            off += n
+        if self.buffers:
+            self._copy_back(flat[4:])
         loss, corr, n, flag = values
         return StepStats(loss=loss / max(n, 1.0), acc=corr / max(n, 1.0), samples=int(n),
                          stop=flag > 0)
+
+    def _copy_back(self, summed: Tensor) -> None:
+        """Buffers := the mean of ``summed`` (integer counters rounded), fused."""
+        summed.div_(self.world)
+        n_float_elems = sum(self._sizes[:self._n_float])
+        summed[n_float_elems:].round_()
+        views = [v.view(b.shape) for v, b in zip(summed.split(self._sizes), self.buffers)]
+        k = self._n_float
+        for dst, src in ((self.buffers[:k], views[:k]), (self.buffers[k:], views[k:])):
+            if dst:
+                torch._foreach_copy_(dst, src)
 
 
 def model_digest(module: nn.Module) -> int:

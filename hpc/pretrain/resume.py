@@ -32,7 +32,7 @@ from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
 from hpc.pretrain.reduce import all_ok, broadcast_object
 from hpc.pretrain.space import derive_seed
 
-__all__ = ["Position", "restore", "save", "FORMAT"]
+__all__ = ["Position", "restore", "save", "set_determinism", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,14 @@ class Position:
     epoch: int = 0
     batch: int = 0
     val_acc: list[float] = dataclasses.field(default_factory=list)
+
+
+def set_determinism(enabled: bool) -> None:
+    """cuDNN's switches for a bitwise-exact resume (``PretrainConfig.deterministic``):
+    deterministic algorithms, no autotuner; ``False`` allows non-deterministic ones
+    and leaves the autotuner as the script set it."""
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = False if enabled else torch.backends.cudnn.benchmark
 
 
 def _world() -> int:

@@ -125,3 +125,52 @@ def test_metrics_resume_drops_rows_after_the_checkpoint(tmp_path: Path) -> None:
     assert [int(r["step"]) for r in read_metrics(path)] == list(range(1, 9))
     MetricsWriter(tmp_path / "fresh.csv")
     assert read_metrics(tmp_path / "fresh.csv") == []
+
+
+class _FakeCuda:
+    """torch.cuda's RNG functions for a process that sees ``count`` GPUs, ``current``
+    bound: each device's state is a distinct byte tensor."""
+
+    def __init__(self, count: int, current: int) -> None:
+        self.count, self.current = count, current
+        self.states = {i: torch.full((8,), 10 + i, dtype=torch.uint8) for i in range(count)}
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        c = torch.cuda
+        monkeypatch.setattr(c, "is_available", lambda: True)
+        monkeypatch.setattr(c, "is_initialized", lambda: True)
+        monkeypatch.setattr(c, "device_count", lambda: self.count)
+        monkeypatch.setattr(c, "current_device", lambda: self.current)
+        monkeypatch.setattr(c, "get_rng_state_all",
+                            lambda: [self.states[i].clone() for i in range(self.count)])
+        monkeypatch.setattr(c, "get_rng_state", lambda d="cuda": self.states[int(d)].clone())
+        monkeypatch.setattr(c, "set_rng_state_all", lambda sts: self.states.update(
+            {i: s.clone() for i, s in enumerate(sts)}))
+        monkeypatch.setattr(c, "set_rng_state",
+                            lambda s, d="cuda": self.states.__setitem__(int(d), s.clone()))
+
+
+def test_cuda_rng_is_restored_when_the_visible_device_count_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved by rank 2 seeing the node's 4 GPUs (bound to cuda:2), resumed seeing one
+    (--gpus-per-task=1): its own GPU's stream continues on cuda:0."""
+    before = _FakeCuda(4, 2)
+    before.install(monkeypatch)
+    state = capture_rng()
+    assert torch.equal(state["cuda_current"], before.states[2])
+    after = _FakeCuda(1, 0)
+    after.install(monkeypatch)
+    restore_rng(state)
+    assert torch.equal(after.states[0], before.states[2])
+
+
+def test_cuda_rng_same_device_count_restores_every_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _FakeCuda(2, 1)
+    before.install(monkeypatch)
+    state = capture_rng()
+    after = _FakeCuda(2, 1)
+    after.states = {i: torch.zeros(8, dtype=torch.uint8) for i in range(2)}
+    after.install(monkeypatch)
+    restore_rng(state)
+    assert all(torch.equal(after.states[i], before.states[i]) for i in range(2))
