@@ -1,4 +1,5 @@
-"""Teardown with real ranks over gloo: a failing rank aborts its process group."""
+"""The NCCL path's CPU-testable logic with real ranks over gloo: a failing rank aborts
+its process group; a rank without a GPU is refused in the pre-flight."""
 
 from __future__ import annotations
 
@@ -18,3 +19,14 @@ def test_failing_rank_aborts_its_group_and_the_clean_one_destroys_it() -> None:
     assert "TEARDOWN destroy rank=0" in out and "TEARDOWN abort rank=0" not in out, out
     assert "TEARDOWN abort rank=1" in out and "TEARDOWN destroy rank=1" not in out, out
     assert "rank 1 failing on purpose" in out, out
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_without_a_gpu_is_refused_on_every_rank() -> None:
+    """The backend is agreed in the pre-flight: real ranks, real TCPStore."""
+    proc = hpc_run(3, [script("mixed_backend.py")], timeout=80)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "UNREACHABLE" not in out, out
+    assert "ranks picked different torch.distributed backends" in out, out
+    assert "cpu:gloo,cuda:nccl: rank(s) 0 (" in out and "gloo: rank(s) 2 (" in out, out
+    print(out)
