@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, for a lent GPU node (one GPU is enough): versions, the CUDA
-# integration tests, and the one-GPU overhead benchmark. Needs no network, Slurm or MPI,
-# and no install: the checkout is put on PYTHONPATH.
+# The GPU checks in one go, for a lent GPU node (one GPU is enough): versions, the NCCL
+# check (bench/nccl_check.py: every sync collective through a real one-rank NCCL group,
+# host syncs counted, overlap memory, two pretrains' digests, two ranks on one GPU where
+# NCCL >= 2.30), the CUDA integration tests, and the one-GPU overhead benchmark. Needs no
+# network, Slurm or MPI, and no install: the checkout is put on PYTHONPATH.
 #
 #   OUT=/some/dir bash bench/device_check.sh          # from the repository root
 #
 # Everything is also written to $OUT/device_check.log (plus $OUT/test_cuda.xml).
 # PYTHON picks the interpreter (default python3; it needs torch, pytest, pytest-timeout,
-# scikit-learn). Expected on an H200: about 2-3 minutes; each step has a hard timeout.
-# Without a GPU it still runs to the end in well under a minute: the tests skip and
-# gpu_check exits 77. Exit status: 0 when the tests passed (or skipped) and gpu_check
-# passed or skipped; 1 otherwise. It never stops early: every step's result is logged.
+# scikit-learn). Budget: the step timeouts add up to under 7 minutes (expected 3-4 on an
+# H200), so one run and a rerun fit 15 minutes of device time.
+# Exit status: 0 when every step passed; 1 when a step failed; 3 at once when CUDA is
+# unavailable (a GPU check that passes without a GPU would prove nothing). Once CUDA is
+# there it never stops early: every step's result is logged.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -72,6 +75,16 @@ for dist_name in ("pytest", "pytest-timeout", "scikit-learn", "numpy", "matplotl
 EOF
 rc_versions=$?
 
+step "CUDA available?"
+if ! timeout 120 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'; then
+    echo "device_check: FAIL: no CUDA device (torch.cuda.is_available() is False, or torch"
+    echo "did not import; see 'versions' above). This script checks the NCCL path and"
+    echo "proves nothing without a GPU."
+    echo "HINT: run it on a GPU node (srun --gpus=1 bash bench/device_check.sh) with a"
+    echo "CUDA build of torch (PYTHON=/path/to/python)."
+    finish 3
+fi
+
 step "hpc imports from the checkout (PYTHONPATH)"
 timeout 60 "$PY" -m hpc --help | head -n 3
 timeout 120 "$PY" -m hpc env
@@ -79,13 +92,17 @@ step "hpc demo on one rank (default backend)"
 timeout 120 "$PY" -m hpc run --nproc 1 -- "$PY" -m hpc demo
 rc_demo=$?
 
+step "bench/nccl_check.py (NCCL collectives on one GPU)"
+timeout 240 "$PY" bench/nccl_check.py
+rc_nccl=$?
+
 step "pytest tests/integration/test_cuda.py"
-timeout 300 "$PY" -m pytest -p no:cacheprovider -v -rs -s --timeout 120 \
+timeout 240 "$PY" -m pytest -p no:cacheprovider -v -rs -s --timeout 120 \
     --junitxml="$OUT/test_cuda.xml" tests/integration/test_cuda.py
 rc_tests=$?
 
 step "bench/gpu_check.py --repeats 3"
-timeout 180 "$PY" bench/gpu_check.py --repeats 3
+timeout 150 "$PY" bench/gpu_check.py --repeats 3
 rc_gpu=$?
 case $rc_gpu in
     0) gpu_verdict="PASS" ;;
@@ -97,10 +114,12 @@ esac
 
 step "summary"
 echo "versions rc=$rc_versions demo rc=$rc_demo"
-echo "pytest test_cuda.py rc=$rc_tests ($([ $rc_tests = 0 ] && echo passed/skipped || echo FAILED))"
+echo "nccl_check rc=$rc_nccl ($([ "$rc_nccl" = 0 ] && echo passed || echo FAILED))"
+echo "pytest test_cuda.py rc=$rc_tests ($([ "$rc_tests" = 0 ] && echo passed || echo FAILED))"
 echo "gpu_check rc=$rc_gpu: $gpu_verdict"
 echo "total ${SECONDS}s; log $OUT/device_check.log"
-if [ "$rc_tests" = 0 ] && { [ "$rc_gpu" = 0 ] || [ "$rc_gpu" = 77 ]; }; then
+if [ "$rc_versions" = 0 ] && [ "$rc_demo" = 0 ] && [ "$rc_nccl" = 0 ] \
+        && [ "$rc_tests" = 0 ] && [ "$rc_gpu" = 0 ]; then
     finish 0
 fi
 finish 1

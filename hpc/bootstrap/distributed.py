@@ -227,7 +227,8 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
         store = dist.HashStore()
     else:
         gpu = None
-        if nccl:
+        # NCCL >= 2.30 runs several ranks on one GPU when asked to: no refusal then
+        if nccl and env.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             from hpc.bootstrap import gpubind
 
             gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)

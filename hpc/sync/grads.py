@@ -152,10 +152,6 @@ class GradSync:
         #: synced gradient keeps that layout, as DDP's bucket views do.
         self._strides = [None if p.is_contiguous() or not _dense(p) else p.stride()
                          for p in self.params]
-        self._capacity: dict[Any, int] = {}
-        for p in self.params:
-            self._capacity[(p.device, p.dtype)] = (
-                self._capacity.get((p.device, p.dtype), 0) + p.numel())
         self._arena = Arena()
         self._checked = False
         self._step: Optional[_Step] = None
@@ -254,11 +250,14 @@ class GradSync:
         st.ready = []
 
     def _arena_capacity(self, b: Bucket, overlap: bool) -> int:
-        """Elements a new arena buffer for ``b`` reserves: the bucket size of the mode
-        that planned it (4 MiB in overlap mode, not the 25 MiB of :meth:`sync`), at most
-        the bytes of all parameters of its (device, dtype)."""
-        limit = self.overlap_bucket_bytes if overlap else self.bucket_bytes
-        return min(self._capacity[b.key], limit // self._itemsizes[b.idx[0]])
+        """Elements a new arena buffer for ``b`` reserves: the bucket actually planned.
+
+        Not the mode's bucket limit: in overlap mode a 4 KiB bias bucket would reserve
+        4 MiB, and sizing every overlap bucket by :meth:`sync`'s 25 MiB reserved about
+        6x the gradient bytes on CUDA (CPU never commits untouched pages). A later,
+        larger bucket allocates anew; the pool reuses best-fitting free buffers.
+        """
+        return b.numel
 
     def _view(self, flat: torch.Tensor, off: int, i: int) -> torch.Tensor:
         """Parameter ``i``'s slot in ``flat``, shaped (and strided) like the parameter."""

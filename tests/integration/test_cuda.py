@@ -43,13 +43,14 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.timeout(100)
 def test_one_rank_binds_cuda0_with_nccl() -> None:
-    """Default init on a GPU: nccl, cuda:0, CUDA collectives, syncs are no-ops at ws 1."""
+    """Default init on a GPU: cpu:gloo,cuda:nccl, cuda:0, CUDA collectives, syncs are
+    no-ops at ws 1."""
     out = _ok(hpc_run(1, [script("cuda_probe.py"), "--mode", "nccl"], timeout=90,
                       env=_env()))
     lines = [line.split("PROBE ", 1)[1] for line in out.splitlines() if "PROBE " in line]
     assert len(lines) == 1, out
     row = json.loads(lines[0])
-    assert row["backend"] == "nccl", row
+    assert row["backend"] == "cpu:gloo,cuda:nccl", row  # CPU tensors over gloo
     assert row["device"] == "cuda:0" and row["current_device"] == 0, row
     assert row["tensor_device"] == "cuda:0" and row["param_device"] == "cuda:0", row
     assert row["allreduce"] == [1.0, 2.0, 3.0, 4.0], row

@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpc.pretrain import cli  # noqa: E402
-from hpc.pretrain.config import PretrainConfig  # noqa: E402
-from hpc.pretrain.resume import set_determinism  # noqa: E402
+from hpc.pretrain import cli
+from hpc.pretrain.config import PretrainConfig
+from hpc.pretrain.resume import set_determinism
 
 
 @pytest.fixture()

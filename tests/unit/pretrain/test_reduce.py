@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import torch.distributed as dist
+from torch import nn
 
-from hpc.pretrain.reduce import StepReducer  # noqa: E402
+from hpc.pretrain.reduce import StepReducer
 
 
 @pytest.fixture()
