@@ -2,7 +2,11 @@
 
 Slurm sends a warning signal before it ends a job (``--signal=USR2@120``: USR2, 120 s
 before the time limit; ``scancel --signal=USR2 ID`` sends it by hand; with
-``PreemptParameters=send_user_signal`` also on preemption). The flow:
+``PreemptParameters=send_user_signal`` also on preemption). Real preemption in the common
+setup (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``) sends SIGTERM to
+every task instead and SIGKILL ``GraceTime`` seconds later; a job that ends within the
+grace time is *not* requeued by Slurm. So the guard handles both (``HPC_PREEMPT_SIGNALS``,
+default the warning signal and TERM) and hpc requeues the job itself. The flow:
 
 1. :class:`PreemptGuard` turns the signal into a stop request on every rank that
    receives it (the handler only assigns a flag, so it is signal-safe).
@@ -11,15 +15,26 @@ before the time limit; ``scancel --signal=USR2 ID`` sends it by hand; with
    checkpoint (:func:`hpc.pretrain.pretrain` does both).
 3. :func:`requeue_after_stop` (collective): the global master checks the requeue budget,
    runs an optional hook (submitit: write the resubmission), runs
-   ``scontrol requeue $SLURM_JOB_ID`` and tells every rank the outcome, so no rank exits
-   before the job is requeued (with ``srun --kill-on-bad-exit`` an early non-zero exit
-   would end the step first). Ranks then exit with :data:`EXIT_REQUEUED`.
+   ``scontrol requeue`` on this job (``<array job>_<task>`` for an array task, not the
+   whole array) and tells every rank the outcome, so no rank exits before the job is
+   requeued (with ``srun --kill-on-bad-exit`` an early non-zero exit would end the step
+   first). Ranks then exit with :data:`EXIT_REQUEUED`. Where ``scontrol`` is missing
+   (containers) and the batch script offers it (``HPC_REQUEUE_MARKER``, set by the
+   templates in ``slurm/``), the master writes the job id to that file instead and the
+   batch shell, which runs outside the container, requeues the job.
 4. Slurm restarts the job (``SLURM_RESTART_COUNT`` counts restarts); it resumes from the
    newest checkpoint of its run directory, so every step runs exactly once.
 
 ==================================  ======================================================
-``HPC_PREEMPT_SIGNAL``              the warning signal to handle (default ``USR2``; USR1 is
-                                    avoided because NCCL may use it)
+``HPC_PREEMPT_SIGNAL``              the warning signal (default ``USR2``; USR1 is avoided
+                                    because NCCL may use it); ``hpc submit`` sets it
+``HPC_PREEMPT_SIGNALS``             every signal that asks for the agreed stop, comma
+                                    separated (default: the warning signal and ``TERM``,
+                                    which real preemption sends)
+``HPC_REQUEUE_MARKER``              a file the batch shell watches: where ``scontrol`` is
+                                    missing the master writes the job to requeue there
+                                    (set by ``slurm/*.sbatch``)
+``SLURM_ARRAY_JOB_ID``/``_TASK_ID`` an array task requeues ``<array job>_<task>`` only
 ``HPC_MAX_REQUEUES``                requeue budget (default 3): no requeue once
                                     ``SLURM_RESTART_COUNT`` reaches it
 ``SLURM_RESTART_COUNT``             set by Slurm in a restarted job (absent = 0)
@@ -52,9 +67,10 @@ from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
 
 __all__ = [
-    "PreemptGuard", "Budget", "Outcome", "load_step_hook", "parse_signal", "read_budget",
-    "requeue_after_stop", "stopped_by_request", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES",
-    "EXIT_REQUEUED", "VALID_SIGNALS",
+    "PreemptGuard", "Budget", "Outcome", "load_step_hook", "parse_signal", "parse_signals",
+    "preempt_signals", "read_budget", "requeue_target", "requeue_after_stop",
+    "stopped_by_request", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES", "EXIT_REQUEUED",
+    "VALID_SIGNALS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +103,42 @@ def parse_signal(name: str) -> signal.Signals:
             f"HINT: use one of: {', '.join(VALID_SIGNALS)} (default {DEFAULT_SIGNAL}; "
             "USR1 may clash with NCCL).")
     return signal.Signals[f"SIG{short}"]
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """``"USR2,TERM"`` -> ``(SIGUSR2, SIGTERM)`` (duplicates dropped, order kept).
+
+    Raises:
+        SubmitError: the list is empty or names a signal :func:`parse_signal` refuses.
+    """
+    names = [n for n in str(text).replace(" ", ",").split(",") if n.strip()]
+    if not names:
+        raise SubmitError(f"HPC_PREEMPT_SIGNALS={text!r} names no signal.\n"
+                          "HINT: e.g. HPC_PREEMPT_SIGNALS=USR2,TERM, or unset it.")
+    return tuple(dict.fromkeys(parse_signal(n) for n in names))
+
+
+def preempt_signals(environ: Optional[Mapping[str, str]] = None) -> tuple[signal.Signals, ...]:
+    """The signals that ask for the agreed stop: ``HPC_PREEMPT_SIGNALS``, else the warning
+    signal (``HPC_PREEMPT_SIGNAL``, default USR2) and SIGTERM (what preemption sends)."""
+    env = os.environ if environ is None else environ
+    listed = env.get("HPC_PREEMPT_SIGNALS", "").strip()
+    if listed:
+        return parse_signals(listed)
+    return parse_signals(f"{env.get('HPC_PREEMPT_SIGNAL') or DEFAULT_SIGNAL},TERM")
+
+
+def requeue_target(environ: Mapping[str, str]) -> Optional[str]:
+    """The id ``scontrol requeue`` needs for this job; ``None`` outside Slurm jobs.
+
+    An array task's ``SLURM_JOB_ID`` equals ``SLURM_ARRAY_JOB_ID`` for one of its tasks,
+    and requeueing that id requeues the whole array: array tasks use
+    ``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>``.
+    """
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None
 
 
 def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
@@ -140,7 +192,7 @@ def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Call
 
 
 class PreemptGuard:
-    """A stop request raised by the warning signal, polled by the training loop.
+    """A stop request raised by a preemption signal, polled by the training loop.
 
     Pass the guard as ``stop_requested`` (it is callable) after :meth:`install`::
 
@@ -151,7 +203,9 @@ class PreemptGuard:
     requeue at once from inside the handler, without the agreed stop).
 
     Args:
-        signame: The signal (default ``HPC_PREEMPT_SIGNAL`` or ``USR2``).
+        signame: The signal, or a comma-separated list (default
+            :func:`preempt_signals`: ``HPC_PREEMPT_SIGNALS``, else the warning signal
+            ``HPC_PREEMPT_SIGNAL``/USR2 and TERM).
         environ: Variables to read (default ``os.environ``).
         step_hook: Called at every poll, before the answer (default: the
             ``HPC_STEP_HOOK`` function, see :func:`load_step_hook`).
@@ -161,32 +215,32 @@ class PreemptGuard:
                  environ: Optional[Mapping[str, str]] = None,
                  step_hook: Optional[Callable[[], None]] = None) -> None:
         env = os.environ if environ is None else environ
-        self.signum = parse_signal(signame or env.get("HPC_PREEMPT_SIGNAL") or DEFAULT_SIGNAL)
+        self.signums = parse_signals(signame) if signame else preempt_signals(env)
+        self.signum = self.signums[0]
         self.requested = False
         self.received_at: Optional[float] = None
-        self._previous: Any = None
-        self._installed = False
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict[signal.Signals, Any] = {}
         self._announce = env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0")) == "0"
         self._rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
         self.step_hook = step_hook if step_hook is not None else load_step_hook(env)
 
     @property
     def signal_name(self) -> str:
-        """The handled signal's name, e.g. ``SIGUSR2``."""
-        return self.signum.name
+        """The signal that asked for the stop (else the first handled), e.g. ``SIGTERM``."""
+        return (self.received or self.signum).name
 
     def install(self) -> "PreemptGuard":
-        """Handle the signal from now on (main thread only); returns ``self``."""
-        self._previous = signal.signal(self.signum, self.request)
-        self._installed = True
+        """Handle the signals from now on (main thread only); returns ``self``."""
+        for signum in self.signums:
+            self._previous[signum] = signal.signal(signum, self.request)
         return self
 
     def uninstall(self) -> None:
-        """Restore the handler that was there before :meth:`install`."""
-        if self._installed:
-            signal.signal(self.signum, self._previous if self._previous is not None
-                          else signal.SIG_DFL)
-            self._installed = False
+        """Restore the handlers that were there before :meth:`install`."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
 
     def request(self, signum: Optional[int] = None, frame: Any = None) -> None:
         """Ask for a stop; fits ``signal.signal`` (only assignments and one ``write``)."""
@@ -194,6 +248,8 @@ class PreemptGuard:
         self.requested = True
         if first:
             self.received_at = time.time()
+            if signum is not None:
+                self.received = signal.Signals(signum)
             if self._announce and signum is not None:
                 try:
                     os.write(2, f"hpc: rank {self._rank} got {signal.Signals(signum).name}: "
@@ -229,21 +285,41 @@ class Outcome:
     message: str
 
 
-def _scontrol_requeue(job_id: str) -> Optional[str]:
+def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str], str]:
+    """``(error, how)``: run ``scontrol requeue``, or hand it to the batch shell.
+
+    ``how`` is ``scontrol`` or ``marker``: ``scontrol`` is not installed here and
+    ``HPC_REQUEUE_MARKER`` names a file the batch shell checks after the step (the
+    templates' fallback for containers); the job id is written to it atomically.
+    """
     try:
         proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True,
                               text=True, timeout=60)
+    except FileNotFoundError as e:
+        marker = env.get("HPC_REQUEUE_MARKER", "").strip()
+        if not marker:
+            return f"{type(e).__name__}: {e}", "scontrol"
+        try:
+            tmp = f"{marker}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(job_id + "\n")
+            os.replace(tmp, marker)
+        except OSError as e2:
+            return f"scontrol is missing and HPC_REQUEUE_MARKER={marker} is not " \
+                   f"writable: {e2}", "marker"
+        return None, "marker"
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}", "scontrol"
     if proc.returncode != 0:
-        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
-    return None
+        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}", \
+            "scontrol"
+    return None, "scontrol"
 
 
 def _decide(step: int, checkpoint: Optional[str], signame: str,
             before_requeue: Optional[Callable[[], None]],
             env: Mapping[str, str]) -> Outcome:
-    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    job = requeue_target(env)
     where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no run directory)"
     if not job:
         return Outcome("not-slurm", 0, f"stopped at step {step} on {signame}; {where}. "
@@ -269,15 +345,18 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
         return Outcome("failed", 1, f"preparing the requeue of job {job} failed: "
                        f"{type(e).__name__}: {e}.\nHINT: resubmit the same command; it "
                        "resumes from the run directory.")
-    error = _scontrol_requeue(job)
+    error, how = _scontrol_requeue(job, env)
     if error is not None:
         return Outcome("failed", 1, (
             f"stopped at step {step} on {signame}; {where}. `scontrol requeue {job}` "
             f"failed: {error}.\nOnly batch jobs that allow requeueing can be requeued.\n"
-            "HINT: submit with sbatch --requeue (or hpc submit); or resubmit the same "
-            "command, which resumes from the run directory."))
+            "HINT: submit with sbatch --requeue (or hpc submit); where the ranks have no "
+            "scontrol, run them from a template in slurm/ (its batch shell requeues); or "
+            "resubmit the same command, which resumes from the run directory."))
+    by = "" if how == "scontrol" else (" (scontrol is missing here: the batch shell "
+                                       f"requeues it, {env['HPC_REQUEUE_MARKER']})")
     return Outcome("requeued", EXIT_REQUEUED, (
-        f"requeued job {job} after step {step} ({signame}; {where}); restart "
+        f"requeued job {job}{by} after step {step} ({signame}; {where}); restart "
         f"{budget.restarts + 1} of at most {budget.max_requeues} resumes from it"))
 
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,51 @@ def test_requeue_of_an_unknown_job_reports_scontrols_error() -> None:
     out = preempt.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
     assert out.kind == "failed" and "scontrol requeue 999999999" in out.message
     assert "HINT:" in out.message
+
+
+def test_guard_handles_sigterm_too_by_default_and_names_the_signal_received() -> None:
+    guard = preempt.PreemptGuard(environ={}).install()
+    try:
+        assert guard.signums == (signal.SIGUSR2, signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # real preemption sends TERM: no death
+        time.sleep(0.05)
+        assert guard() is True and guard.signal_name == "SIGTERM"
+    finally:
+        guard.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_preempt_signals_list_overrides_the_default() -> None:
+    assert preempt.preempt_signals({"HPC_PREEMPT_SIGNAL": "XCPU"}) == (
+        signal.SIGXCPU, signal.SIGTERM)
+    assert preempt.preempt_signals({"HPC_PREEMPT_SIGNALS": "usr1, SIGHUP,USR1"}) == (
+        signal.SIGUSR1, signal.SIGHUP)
+    with pytest.raises(SubmitError, match="names no signal"):
+        preempt.parse_signals(" , ")
+    with pytest.raises(SubmitError, match="'KILL' is not supported"):
+        preempt.preempt_signals({"HPC_PREEMPT_SIGNALS": "USR2,KILL"})
+
+
+def test_array_task_requeues_itself_not_the_whole_array() -> None:
+    # measured: `scontrol requeue $SLURM_JOB_ID` from task 0 (JOB_ID == ARRAY_JOB_ID)
+    # requeued both tasks of --array=0-1
+    env = {"SLURM_JOB_ID": "40", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "0"}
+    assert preempt.requeue_target(env) == "40_0"
+    assert preempt.requeue_target({"SLURM_JOB_ID": "41"}) == "41"
+    assert preempt.requeue_target({"SLURM_JOBID": "42"}) == "42"
+    assert preempt.requeue_target({}) is None
+
+
+def test_without_scontrol_the_master_hands_the_requeue_to_the_batch_shell(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol on PATH, as in a container
+    marker = tmp_path / "requeue-me"
+    env = {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "1"}
+    out = preempt.requeue_after_stop(5, "ck.pt", environ={**env,
+                                                          "HPC_REQUEUE_MARKER": str(marker)})
+    assert (out.kind, out.exit_code) == ("requeued", preempt.EXIT_REQUEUED)
+    assert "the batch shell requeues it" in out.message
+    assert marker.read_text() == "6_1\n"
+    out = preempt.requeue_after_stop(5, "ck.pt", environ=env)  # no shell to hand it to
+    assert (out.kind, out.exit_code) == ("failed", 1)
+    assert "FileNotFoundError" in out.message and "HINT:" in out.message
