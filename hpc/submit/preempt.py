@@ -34,7 +34,8 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
 ``HPC_REQUEUE_MARKER``              a file the batch shell watches: where ``scontrol`` is
                                     missing the master writes the job to requeue there
                                     (set by ``slurm/*.sbatch``)
-``SLURM_ARRAY_JOB_ID``/``_TASK_ID`` an array task requeues ``<array job>_<task>`` only
+``SLURM_ARRAY_JOB_ID``              with ``SLURM_ARRAY_TASK_ID``: an array task requeues
+``SLURM_ARRAY_TASK_ID``             ``<array job>_<task>``, not the whole array
 ``HPC_MAX_REQUEUES``                requeue budget (default 3): no requeue once
                                     ``SLURM_RESTART_COUNT`` reaches it
 ``SLURM_RESTART_COUNT``             set by Slurm in a restarted job (absent = 0)
@@ -305,14 +306,14 @@ def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str
                 f.write(job_id + "\n")
             os.replace(tmp, marker)
         except OSError as e2:
-            return f"scontrol is missing and HPC_REQUEUE_MARKER={marker} is not " \
-                   f"writable: {e2}", "marker"
+            return (f"scontrol is missing and HPC_REQUEUE_MARKER={marker} is not "
+                    f"writable: {e2}"), "marker"
         return None, "marker"
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{type(e).__name__}: {e}", "scontrol"
     if proc.returncode != 0:
-        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}", \
-            "scontrol"
+        return ((proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}",
+                "scontrol")
     return None, "scontrol"
 
 

@@ -41,7 +41,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from tests.integration.test_submit import (  # noqa: E402
-    ENV, STEPS, TINY_ARGS, assert_each_step_once, assert_same_final_weights, train_steps)
+    ENV,
+    STEPS,
+    TINY_ARGS,
+    assert_each_step_once,
+    assert_same_final_weights,
+    train_steps,
+)
 
 TEMPLATE = str(ROOT / "slurm" / "pretrain.sbatch")
 
@@ -49,7 +55,7 @@ TEMPLATE = str(ROOT / "slurm" / "pretrain.sbatch")
 @pytest.fixture(scope="module")
 def partitions() -> None:
     require_slurm()
-    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True,
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], check=False, capture_output=True, text=True,
                          timeout=20).stdout.split()
     if "preemptible" not in out or "urgent" not in out:
         msg = (f"the test cluster has no preemptible/urgent partitions (sinfo: {out}); "
@@ -65,11 +71,11 @@ def jobs() -> Iterator[list[str]]:
     ids: list[str] = []
     yield ids
     for job_id in ids:
-        subprocess.run(["scancel", job_id], timeout=20)
+        subprocess.run(["scancel", job_id], check=False, timeout=20)
 
 
 def _sbatch(args: list[str], cwd: Path, env: dict[str, str], jobs: list[str]) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env,
+    proc = subprocess.run(["sbatch", "--parsable", *args], check=False, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
@@ -94,7 +100,7 @@ def _preempt(tmp_path: Path, env: dict[str, str], jobs: list[str]) -> str:
 def _sacct(job_ids: list[str]) -> str:
     return subprocess.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P",
                            "-o", "JobID,Partition,State,ExitCode,Start,End"],
-                          capture_output=True, text=True, timeout=30).stdout
+                          check=False, capture_output=True, text=True, timeout=30).stdout
 
 
 @pytest.mark.timeout(420)
@@ -142,7 +148,8 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     assert text.count(f"resumed from {ckpts}/ckpt-") == 2
     runs = [r.word for r in jobwatch.history(job_id)]
     assert runs == ["REQUEUED", "REQUEUED", "COMPLETED"], (runs, history)  # once each time
-    restarts = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+    restarts = subprocess.run(["scontrol", "show", "job", job_id], check=False,
+                              capture_output=True,
                               text=True, timeout=20).stdout
     assert "Restarts=2" in restarts, restarts
     assert all(jobwatch.current(u).word == "COMPLETED" for u in urgent), history
