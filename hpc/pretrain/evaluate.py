@@ -35,11 +35,14 @@ def batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
 
 
 @torch.no_grad()
-def recalibrate_bn(space: nn.Module, arch: Any, x: Tensor, chunk: int = 256) -> None:
+def recalibrate_bn(space: nn.Module, arch: Any, x: Tensor, chunk: int = 256,
+                   reduce: bool = True) -> None:
     """Recompute BatchNorm statistics for ``arch`` from this rank's images ``x``.
 
     Every rank must pass the same number of images; the statistics (a cumulative
     average over the chunks) are then averaged across ranks with one all_reduce.
+    ``reduce=False`` keeps them local (each rank recalibrating its own sub-network
+    from all the images, as :mod:`hpc.pretrain.search` does).
     """
     layers = batchnorms(space)
     momenta = [m.momentum for m in layers]
@@ -53,7 +56,7 @@ def recalibrate_bn(space: nn.Module, arch: Any, x: Tensor, chunk: int = 256) -> 
     finally:
         for m, momentum in zip(layers, momenta):
             m.momentum = momentum
-    if _world() > 1 and layers:
+    if reduce and _world() > 1 and layers:
         stats = [t for m in layers for t in (m.running_mean, m.running_var)]
         flat = torch.cat([t.reshape(-1) for t in stats])
         dist.all_reduce(flat)
@@ -67,7 +70,8 @@ def recalibrate_bn(space: nn.Module, arch: Any, x: Tensor, chunk: int = 256) -> 
 @torch.no_grad()
 def validate(space: nn.Module, x: Tensor, y: Tensor, archs: Sequence[Any],
              recal_x: Optional[Tensor] = None,
-             batch_size: int = 1024) -> tuple[list[float], list[float]]:
+             batch_size: int = 1024, reduce: bool = True
+             ) -> tuple[list[float], list[float]]:
     """Loss and accuracy of each sub-network in ``archs`` on ``(x, y)``, over all ranks.
 
     Each rank passes its own shard (:func:`hpc.pretrain.data.val_shard`); the sums are
@@ -75,6 +79,8 @@ def validate(space: nn.Module, x: Tensor, y: Tensor, archs: Sequence[Any],
     numbers. With ``recal_x`` (this rank's recalibration images, the same count on every
     rank) each sub-network's BatchNorm statistics are recalibrated first and restored
     afterwards. The model is left in train mode with its statistics unchanged.
+    ``reduce=False`` makes no collective at all: this rank scores ``archs`` on the
+    ``(x, y)`` it was given (the whole validation set, in search).
     """
     layers = batchnorms(space)
     saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in layers]
@@ -82,7 +88,7 @@ def validate(space: nn.Module, x: Tensor, y: Tensor, archs: Sequence[Any],
     try:
         for i, arch in enumerate(archs):
             if recal_x is not None and recal_x.shape[0] > 0:
-                recalibrate_bn(space, arch, recal_x)
+                recalibrate_bn(space, arch, recal_x, reduce=reduce)
             space.eval()
             for start in range(0, x.shape[0], batch_size):
                 xb, yb = x[start:start + batch_size], y[start:start + batch_size]
@@ -94,7 +100,7 @@ def validate(space: nn.Module, x: Tensor, y: Tensor, archs: Sequence[Any],
         for m, state in zip(layers, saved):
             m.load_state_dict(state)
         space.train()
-    if _world() > 1:
+    if reduce and _world() > 1:
         dist.all_reduce(sums)
     total = sums[:, 2].clamp(min=1)
     return (sums[:, 0] / total).tolist(), (sums[:, 1] / total).tolist()

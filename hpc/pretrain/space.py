@@ -14,6 +14,11 @@ The loop draws each rank's architecture from a fresh generator seeded with
 :func:`derive_seed` ``(seed, rank, step)``, so the draw is a pure function of those three
 numbers: it needs no state in checkpoints and replays exactly after a resume.
 
+``hpc search`` also needs ``choices() -> list[int]`` (candidates per position, for
+enumeration and mutation) and, for spaces other than :class:`Supernet`,
+``subnet(arch) -> nn.Module`` (the standalone sub-network, see
+:mod:`hpc.pretrain.export`).
+
 Rules for a search space of your own: create every candidate in ``__init__`` (no lazy
 modules — every rank must hold the same parameter list); keep randomness in ``sample``
 on the given generator; BatchNorm running statistics are averaged across ranks after
@@ -117,6 +122,10 @@ class Supernet(nn.Module):
         """One candidate index per block, uniformly, drawn from ``generator``."""
         draw = torch.randint(len(self.candidates), (len(self.blocks),), generator=generator)
         return tuple(int(i) for i in draw)
+
+    def choices(self) -> list[int]:
+        """Number of candidates of each block (what search enumerates and mutates)."""
+        return [len(self.candidates)] * len(self.blocks)
 
     def describe(self, arch: Sequence[int]) -> str:
         """Readable name of ``arch``, e.g. ``conv3x3-identity-conv5x5-sepconv3x3``."""

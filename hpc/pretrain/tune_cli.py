@@ -1,0 +1,115 @@
+"""``hpc tune``: train the searched sub-network as a plain model with DDP, any launcher.
+
+Reads ``SEARCH/search.json``, exports the best sub-network from the supernet checkpoint
+the search used (only the chosen operations, BatchNorm recalibrated) and fine-tunes it
+with DistributedDataParallel. Writes ``OUT/tune.json``, ``metrics.csv``/``.png``,
+``model.pt`` (loads without the supernet: ``hpc.pretrain.export.load_model``) and
+checkpoints; a rerun resumes, the warning signal stops and requeues as in
+``hpc pretrain``. ``--from-scratch`` trains the same architecture from a fresh
+initialisation (the baseline). Exit status as ``hpc pretrain``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from hpc.pretrain.search_cli import add_fields
+from hpc.pretrain.search_config import TuneConfig
+
+__all__ = ["add_parser", "main"]
+
+logger = logging.getLogger(__name__)
+
+EPILOG = """examples:
+  hpc run --nproc 2 -- hpc tune --search runs/digits/search                 # SEARCH/tune/
+  hpc run --nproc 2 -- hpc tune --search runs/digits/search --from-scratch  # SEARCH/scratch/
+  srun --ntasks 4 hpc tune --search $SCRATCH/digits/search --epochs 30
+"""
+
+HELP = {
+    "search": "hpc search output directory (holds search.json)",
+    "epochs": "epochs",
+    "batch_size": "samples per rank per step",
+    "lr": "peak learning rate, cosine to 0",
+    "momentum": "SGD momentum (Nesterov)",
+    "weight_decay": "weight decay",
+    "label_smoothing": "label smoothing",
+    "seed": "seed of the data order (and of the weights with --from-scratch)",
+    "recal_samples": "train images recalibrating BatchNorm before export",
+    "out": "output directory, written by rank 0 (default SEARCH/tune or SEARCH/scratch)",
+    "ckpt_every": "also checkpoint every N steps",
+    "keep": "checkpoints kept",
+    "max_steps": "stop with a checkpoint after this global step",
+}
+
+
+def _build(p: argparse.ArgumentParser) -> None:
+    add_fields(p, TuneConfig, HELP)
+    p.add_argument("--from-scratch", action="store_true",
+                   help="same architecture, fresh weights (the baseline)")
+    p.add_argument("--resume", nargs="?", const="auto", default="auto", metavar="PATH",
+                   help="resume from PATH (checkpoint or directory); default: auto")
+    p.add_argument("--no-resume", dest="resume", action="store_const", const="never",
+                   help="never resume; refuse an OUT that holds checkpoints")
+    p.add_argument("--elastic", action="store_true",
+                   help="allow resuming with a different number of ranks (not exact)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"),
+                   help="console level on local masters (default INFO)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run ``hpc tune`` with parsed ``args``; return the exit status."""
+    from hpc.errors import HPCError
+    from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
+
+    try:  # first: the warning signal must not kill a rank that is still importing torch
+        guard = PreemptGuard().install()
+    except HPCError as e:
+        print(f"hpc tune: {e}", file=sys.stderr)
+        return 2
+    names = TuneConfig.__dataclass_fields__
+    cfg = TuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"hpc tune: {e}", file=sys.stderr)
+        return 2
+    import hpc
+    from hpc.pretrain.tune import tune
+
+    info = hpc.init_torch(seed=cfg.seed)
+    hpc.setup_logging(info, level=getattr(logging, args.log_level),
+                      log_file=cfg.out_dir / "tune.log")
+    try:
+        result = tune(cfg, stop_requested=guard)
+    except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
+        logger.error("%s", e)
+        return 1
+    if stopped_by_request(result.status, result.step, cfg.max_steps):
+        return requeue_after_stop(result.step, result.checkpoint, rank=info.rank,
+                                  signame=guard.signal_name).exit_code
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``hpc tune`` (no torch import here: ``hpc --help`` stays fast)."""
+    p = sub.add_parser("tune", help="fine-tune the searched sub-network with DDP",
+                       description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _build(p)
+    p.set_defaults(func=_run)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hpc.pretrain.tune_cli ARGS``: the same as ``hpc tune ARGS``."""
+    parser = argparse.ArgumentParser(prog="hpc tune", description=__doc__)
+    _build(parser)
+    return _run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
