@@ -19,15 +19,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from hpc.pretrain.space import derive_seed
 
-__all__ = ["Arch", "SEARCH_STREAM", "space_size", "enumerate_archs", "rank_key",
-           "pareto_front", "propose", "generation_rng"]
+__all__ = [
+    "SEARCH_STREAM",
+    "Arch",
+    "enumerate_archs",
+    "generation_rng",
+    "pareto_front",
+    "propose",
+    "rank_key",
+    "space_size",
+]
 
 Arch = tuple[int, ...]
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from hpc.pretrain.checkpoint import save_atomic
 from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
 
-__all__ = ["SubNet", "extract", "count_params", "save_model", "load_model"]
+__all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]
 
 #: Version of the ``model.pt`` layout.
 MODEL_FORMAT = 1

@@ -17,14 +17,15 @@ from typing import Any, Optional
 from hpc.pretrain.evolution import pareto_front
 from hpc.pretrain.runlog import write_json
 
-__all__ = ["write_outputs", "plot_pareto", "DETERMINISTIC"]
+__all__ = ["DETERMINISTIC", "plot_pareto", "write_outputs"]
 
 logger = logging.getLogger(__name__)
 
 #: What the search guarantees, written into every ``search.json``.
 DETERMINISTIC = ("arch choice, val_acc, val_loss, params and the evaluation order are "
-                 "identical for any number of ranks with the same seed and settings; "
-                 "latency_ms is measured on rank 0 and varies between runs")
+                 "identical for any number of ranks with the same seed and settings "
+                 "(without max_latency_ms); latency_ms varies between runs and, without "
+                 "max_latency_ms, between the ranks that measured it")
 
 
 def write_outputs(result: Any, cfg: Any, run: Any) -> None:
@@ -60,7 +61,7 @@ def plot_pareto(records: list[dict[str, Any]], best: Optional[dict[str, Any]],
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "params", "parameters"),
-                           (axes[1], "latency_ms", "latency (ms, rank 0)")):
+                           (axes[1], "latency_ms", "latency (ms)")):
         xs = [r[key] for r in records]
         ys = [r["val_acc"] for r in records]
         ax.scatter(xs, ys, s=12, alpha=0.5, label="evaluated")

@@ -10,10 +10,12 @@ whichever rank runs it, so the search takes the same path and returns the same b
 sub-network for any number of ranks.
 
 Constraints: parameters are counted exactly on the standalone sub-network
-(:func:`hpc.pretrain.export.extract`); latency is measured on rank 0's device only
-(3 warm-ups, median of ``latency_repeats``), broadcast and cached per sub-network, so
-every rank takes the same decisions. Latency itself varies between runs: with a latency
-limit the chosen sub-network can differ between *runs*, never between ranks of a run.
+(:func:`hpc.pretrain.export.extract`). Latency (3 warm-ups, median of
+``latency_repeats``, cached per sub-network) is measured on rank 0's device only when
+``max_latency_ms`` is set — broadcast before the candidate is admitted, so every rank
+takes the same decisions; latency varies between runs, so with a latency limit the
+chosen sub-network can differ between *runs*, never between ranks of a run. Without a
+limit latency is only reported, and each rank times the candidates it scores.
 
 The global master checkpoints the search state (every evaluated sub-network with its
 scores, the latency cache, the sub-networks found infeasible, the generation) after
@@ -26,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -44,7 +46,7 @@ from hpc.pretrain.reduce import all_ok, broadcast_object
 from hpc.pretrain.search_config import SEARCH_EXACTNESS_FIELDS, SearchConfig
 from hpc.pretrain.trained import LoadedRun, load_run, measure_latency, recal_images
 
-__all__ = ["search", "SearchResult"]
+__all__ = ["SearchResult", "search"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,19 +159,29 @@ class _Search:
         return len(self.seen()) < self.size
 
     def score(self, archs: list[Arch]) -> list[tuple[float, float]]:
-        """(loss, accuracy) of each of ``archs``, each scored by one rank, gathered."""
+        """(loss, accuracy) of each of ``archs``, each scored by one rank, gathered.
+
+        Without a latency limit the scoring rank also times its candidates (latency is
+        then only reported, so it may come from any rank); with one, latency was
+        measured on rank 0 before the candidate was admitted.
+        """
         data = self.run.data
+        timed = self.cfg.max_latency_ms is None
         local = []
         for i in range(self.rank, len(archs), self.world):
             loss, acc = validate(self.space, data.x_val, data.y_val, [archs[i]],
                                  self.recal_x, reduce=False)
-            local.append((i, loss[0], acc[0]))
+            ms = measure_latency(extract(self.space, archs[i]), self.latency_x,
+                                 self.cfg.latency_repeats) if timed else None
+            local.append((i, loss[0], acc[0], ms))
         parts: list[Any] = [local]
         if self.world > 1:
             parts = [None] * self.world
             dist.all_gather_object(parts, local)
-        merged = {i: (loss, acc) for part in parts for i, loss, acc in part}
-        return [merged[i] for i in range(len(archs))]
+        merged = {i: (loss, acc, ms) for part in parts for i, loss, acc, ms in part}
+        if timed:
+            self.latency.update((archs[i], merged[i][2]) for i in range(len(archs)))
+        return [merged[i][:2] for i in range(len(archs))]
 
     def add(self, archs: list[Arch], scores: list[tuple[float, float]]) -> None:
         self.measure(archs)
@@ -357,6 +369,7 @@ def search(config: Optional[SearchConfig] = None, space: Optional[nn.Module] = N
                           world_size=ctx.world, wall_s=ctx.wall_s, out=str(cfg.out_dir))
     if ctx.rank == 0:
         write_outputs(result, cfg, run)
+    hpc.barrier()  # search.json exists on return, on every rank (hpc tune may follow)
     logger.info("search %s: best %s val acc %.4f, %d params, %.3f ms; %d sub-networks "
                 "in %.1f s on %d ranks", status, best["arch_name"], best["val_acc"],
                 best["params"], best["latency_ms"], len(ctx.records), ctx.wall_s, ctx.world)

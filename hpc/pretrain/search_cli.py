@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from hpc.pretrain.search_config import SearchConfig
 
-__all__ = ["add_parser", "main", "add_fields"]
+__all__ = ["add_fields", "add_parser", "main"]
 
 logger = logging.getLogger(__name__)
 

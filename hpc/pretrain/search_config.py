@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["SearchConfig", "TuneConfig", "SEARCH_EXACTNESS_FIELDS"]
+__all__ = ["SEARCH_EXACTNESS_FIELDS", "SearchConfig", "TuneConfig"]
 
 #: Search settings that must not change between a search and its resume.
 SEARCH_EXACTNESS_FIELDS = ("run", "budget", "max_params", "max_latency_ms", "seed",

@@ -27,7 +27,7 @@ from hpc.pretrain.data import PretrainData, load_data
 from hpc.pretrain.reduce import broadcast_object
 from hpc.pretrain.space import VAL_STREAM, Supernet, derive_seed
 
-__all__ = ["LoadedRun", "load_run", "recal_images", "measure_latency"]
+__all__ = ["LoadedRun", "load_run", "measure_latency", "recal_images"]
 
 
 @dataclasses.dataclass

@@ -24,8 +24,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from hpc.pretrain.search_config import TuneConfig
 from hpc.pretrain.space import derive_seed
 from hpc.pretrain.trained import LoadedRun, load_run, recal_images
 
-__all__ = ["tune", "TuneResult", "evaluate_model"]
+__all__ = ["TuneResult", "evaluate_model", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +293,7 @@ def tune(config: Optional[TuneConfig] = None, *,
         write_json(t.out / "tune.json", {**dataclasses.asdict(result),
                                          "search_val_acc": found["best"]["val_acc"],
                                          "config": cfg.to_dict()})
+    hpc.barrier()  # model.pt and tune.json exist on return, on every rank
     logger.info("tune %s at step %d: val acc %.4f (before %.4f), %d params; %s",
                 status, t.step, acc, t.val[0], result.params, t.out)
     return result

@@ -34,7 +34,7 @@ def hpc(nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedPro
     """``hpc run --nproc N -- hpc ARGS`` as a real subprocess."""
     argv = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--", "hpc", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env=_env(), cwd=ROOT)
+                          env=_env(), cwd=ROOT, check=False)
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
