@@ -43,6 +43,7 @@ from hpc.pretrain.evaluate import validate
 from hpc.pretrain.evolution import Arch, enumerate_archs, propose, rank_key, space_size
 from hpc.pretrain.export import count_params, extract
 from hpc.pretrain.reduce import all_ok, broadcast_object
+from hpc.pretrain.resume import set_determinism
 from hpc.pretrain.search_config import SEARCH_EXACTNESS_FIELDS, SearchConfig
 from hpc.pretrain.trained import LoadedRun, load_run, measure_latency, recal_images
 
@@ -350,6 +351,7 @@ def search(config: Optional[SearchConfig] = None, space: Optional[nn.Module] = N
     cfg = config or SearchConfig()
     cfg.validate()
     hpc.init_torch(seed=cfg.seed)
+    set_determinism(True)  # cuDNN: a candidate's score must not depend on the rank's kernels
     payload = _restore(cfg)
     run = load_run(cfg.run, payload["pretrain_checkpoint"] if payload else None, space, data)
     ctx = _Search(cfg, run)

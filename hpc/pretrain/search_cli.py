@@ -121,9 +121,9 @@ def add_parser(sub: Any) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m hpc.pretrain.search_cli ARGS``: the same as ``hpc search ARGS``."""
-    parser = argparse.ArgumentParser(prog="hpc search", description=__doc__)
-    _build(parser)
-    return _run(parser.parse_args(argv))
+    from hpc.cli.main import run_subcommand
+
+    return run_subcommand(add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -264,6 +264,7 @@ def tune(config: Optional[TuneConfig] = None, *,
     cfg = config or TuneConfig()
     cfg.validate()
     hpc.init_torch(seed=cfg.seed)
+    resume_mod.set_determinism(True)  # bitwise-exact resume on GPUs too, as pretrain
     found = _read_search(cfg)
     run = load_run(found["pretrain"]["run"], found["pretrain"]["checkpoint"])
     net = _build(cfg, found, run)

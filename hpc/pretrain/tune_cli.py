@@ -106,9 +106,9 @@ def add_parser(sub: Any) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m hpc.pretrain.tune_cli ARGS``: the same as ``hpc tune ARGS``."""
-    parser = argparse.ArgumentParser(prog="hpc tune", description=__doc__)
-    _build(parser)
-    return _run(parser.parse_args(argv))
+    from hpc.cli.main import run_subcommand
+
+    return run_subcommand(add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
