@@ -9,6 +9,7 @@ from hpc._lazy import lazy_attributes
 from hpc.environments import DistInfo, detect, parse_local_rank
 from hpc.errors import (
     CheckpointError,
+    CollectiveError,
     HPCError,
     InconsistentEnvironmentError,
     LaunchEnvironmentError,
@@ -28,7 +29,7 @@ __all__ = [
     "setup_logging", "sync_model", "sync_gradients", "GradSync",
     "HPCError", "LaunchEnvironmentError", "InconsistentEnvironmentError",
     "MasterAddressError", "RendezvousError", "ModelMismatchError", "CheckpointError",
-    "SubmitError",
+    "SubmitError", "CollectiveError",
 ]
 
 # Names served lazily so that `import hpc` (and `hpc run`) never imports torch.

@@ -15,6 +15,7 @@ __all__ = [
     "ModelMismatchError",
     "CheckpointError",
     "SubmitError",
+    "CollectiveError",
 ]
 
 
@@ -48,3 +49,7 @@ class CheckpointError(HPCError):
 
 class SubmitError(HPCError):
     """Submitting, following or requeueing a Slurm job failed, or the job itself failed."""
+
+
+class CollectiveError(HPCError):
+    """A collective timed out or failed after init; the message names the stuck rank(s)."""

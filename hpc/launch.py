@@ -176,10 +176,17 @@ def _monitor(procs: Sequence[subprocess.Popen[bytes]], pumps: Sequence[threading
         mark = read_mark(error_dir, entry[0])
         return min(mark[0], entry[2]) if mark else entry[2]
 
-    rank, code, _ = min(failed, key=began)
+    first_code = failed[0][1]
+    # A rank the watchdog's report marked as stuck failed first, even if we stopped it.
+    gone = {r for r, _, _ in failed}
+    stuck = [(r, p.returncode, time.time()) for r, p in enumerate(procs)
+             if r not in gone and read_mark(error_dir, r)]
+    rank, code, _ = min(failed + stuck, key=began)
     mark = read_mark(error_dir, rank)
     shutil.rmtree(error_dir, ignore_errors=True)
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    if rank not in gone:
+        how, code = "no exit of its own (stopped by hpc run)", first_code
     others = ", ".join(str(r) for r, _, _ in sorted(failed) if r != rank) or "none"
     print(f"hpc run: rank {rank} (pid {procs[rank].pid}) failed first with {how}"
           + (f": {mark[1]}" if mark and mark[1] != "exited with a non-zero code" else "")

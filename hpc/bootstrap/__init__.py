@@ -4,7 +4,10 @@
 * :mod:`hpc.bootstrap.master` — the master address where the launcher gives none;
 * :mod:`hpc.bootstrap.preflight` — the pre-flight before init (all ranks joined, no GPU shared);
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
-* :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first.
+* :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first;
+* :mod:`hpc.bootstrap.watchdog` — after init: the stuck-rank report, one failing rank
+  ends the job (with :mod:`hpc.bootstrap.tracker`, the collective sequence numbers, and
+  :mod:`hpc.bootstrap.report`, the report's text).
 
 Nothing here is imported by ``import hpc``; the public names are served by :mod:`hpc`.
 """

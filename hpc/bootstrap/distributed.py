@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import random
+import sys
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -226,6 +227,10 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
     if info.world_size == 1:
         store = dist.HashStore()
     else:
+        if nccl:
+            from hpc.bootstrap.watchdog import flight_recorder_env
+
+            os.environ.update(flight_recorder_env(os.environ))
         gpu = None
         # NCCL >= 2.30 runs several ranks on one GPU when asked to: no refusal then
         if nccl and env.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
@@ -242,6 +247,10 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
                             **kwargs)
     if info.world_size > 1:
         preflight.confirm_init(store, info, connect_timeout)
+        from hpc.bootstrap import watchdog
+
+        watchdog.start(info, lambda t: preflight.client(info, env, t),
+                       timeout.total_seconds(), env)
 
 
 def _register_exit(rank: int, env: Mapping[str, str]) -> None:
@@ -268,8 +277,15 @@ def teardown() -> None:
 
         import torch.distributed as dist
 
-        from hpc.bootstrap import failure
+        from hpc.bootstrap import failure, watchdog
 
+        dog = watchdog.stop()
+        if dog is not None and dog.failure is not None:
+            # A collective failed: the group's connections are broken; destroying it
+            # can block, and gloo aborts the interpreter's shutdown (SIGABRT). End here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(watchdog.EXIT_CODE)
         if dist.is_available() and dist.is_initialized() and failure.failed():
             _abort_group(dist)
         elif dist.is_available() and dist.is_initialized():

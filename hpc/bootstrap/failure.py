@@ -33,7 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional
 
-__all__ = ["failed", "install", "note_failure", "read_mark", "watch"]
+__all__ = ["failed", "install", "note_failure", "read_mark", "watch", "write_mark"]
 
 _INSTALLED: dict[str, bool] = {}
 _FAILED: dict[str, str] = {}
@@ -67,12 +67,25 @@ def watch() -> None:
     sys.excepthook = hook
 
 
-def _write(path: Path, message: str) -> None:
+def _write(path: Path, message: str, when: Optional[float] = None) -> None:
     if path.exists():
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"time": time.time(), "message": message[-4000:]}))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"time": time.time() if when is None else when,
+                               "message": message[-4000:]}))
     os.replace(tmp, path)
+
+
+def write_mark(directory: str, rank: int, message: str, when: Optional[float] = None) -> None:
+    """Mark ``rank`` as failing since ``when`` (default now), unless it has a mark.
+
+    The watchdog's reporter marks a stuck rank with the moment it stopped making
+    progress, which precedes the timeouts of the ranks that waited for it.
+    """
+    try:
+        _write(Path(directory) / f"{rank}.json", message, when)
+    except OSError:
+        pass
 
 
 def install(rank: int, environ: Optional[dict[str, str]] = None) -> None:

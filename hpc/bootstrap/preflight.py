@@ -33,7 +33,7 @@ from hpc.bootstrap import gpubind
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
 
-__all__ = ["confirm_init", "mixed_backend_error", "preflight"]
+__all__ = ["client", "confirm_init", "mixed_backend_error", "preflight"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
     if agent_store:
         _probe(addr, port, info.rank, start, deadline)
         store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
-        return dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        return _scoped(store, env)
     if info.rank == 0:
         try:
             return dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
@@ -141,6 +141,29 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
     _probe(addr, port, info.rank, start, deadline)
     return dist.TCPStore(addr, port, None, False,
                          timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+
+
+def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
+    """A new client of the pre-flight store (same keys as :func:`preflight`'s).
+
+    For threads that must not share the main thread's connection (the watchdog); every
+    operation gives up after ``timeout`` seconds, so a stopped or dead master cannot
+    block its caller for longer.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(info.master_addr, info.master_port, None, False,
+                          timeout=timedelta(seconds=timeout))
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return _scoped(store, environ)
+    return store
+
+
+def _scoped(store: Any, environ: Mapping[str, str]) -> Any:
+    """The torchrun agent's store, scoped to this restart attempt."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"attempt{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,

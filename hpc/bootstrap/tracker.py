@@ -1,0 +1,162 @@
+"""Which collective is this rank in: sequence numbers and ops of world collectives.
+
+:func:`install` wraps the collectives of ``torch.distributed`` (``dist.all_reduce``,
+``dist.broadcast``, ``dist.barrier``, ...) so that every call on the default group
+counts: the n-th world collective of a rank is ``#n`` on every rank, because ranks call
+them in the same order. The :class:`Progress` it fills is what the watchdog publishes
+(:mod:`hpc.bootstrap.watchdog`): a rank whose ``entered`` is behind its peers' never
+entered the collective they wait in.
+
+Only calls made through the ``torch.distributed`` module after ``init_torch`` are seen
+(``dist.all_reduce(...)``; not a function imported by name before, not collectives that
+C++ issues, e.g. DDP's reducer) and only on the default group; other calls pass through
+untouched. A synchronous collective that raises (a timeout, a dead peer) is handed to
+the ``on_failure`` callback before the error propagates; an ``async_op=True`` one
+completes (or fails) through its future.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = ["COLLECTIVES", "Progress", "install", "uninstall"]
+
+#: The ``torch.distributed`` functions counted as collectives.
+COLLECTIVES = (
+    "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "monitored_barrier",
+)
+
+#: ``on_failure(seq, op, error, raising)``; ``raising`` is False for an ``async_op``
+#: collective (nobody raises what it returns). It may return an exception to raise
+#: instead of ``error``.
+OnFailure = Callable[[int, str, BaseException, bool], Optional[BaseException]]  # noqa: UP045 (runtime, 3.9)
+
+
+@dataclass
+class Progress:
+    """This rank's collective progress (times are ``time.time()``).
+
+    Attributes:
+        entered: Sequence number of the last world collective this rank entered.
+        completed: Sequence number of the last one that completed here.
+        op: Name of collective ``#entered``.
+        since: When the rank last made progress (entered or completed one).
+        failed: ``"op #n: error"`` once a collective failed on this rank.
+    """
+
+    entered: int = 0
+    completed: int = 0
+    op: str = ""
+    since: float = field(default_factory=time.time)
+    failed: str = ""
+
+    def waiting(self) -> bool:
+        """True while a collective this rank entered has not completed."""
+        return self.entered > self.completed
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able copy."""
+        return asdict(self)
+
+
+_LOCK = threading.Lock()
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str) -> bool:
+    """True when the call runs on the default group (``group=None`` or WORLD)."""
+    import torch.distributed as dist
+
+    group = kwargs.get("group")
+    if group is None and name == "barrier" and args:
+        group = args[0]
+    return group is None or group is dist.GroupMember.WORLD
+
+
+def _complete(progress: Progress, seq: int) -> None:
+    with _LOCK:
+        if seq > progress.completed:
+            progress.completed = seq
+            progress.since = time.time()
+
+
+def _watch_future(progress: Progress, seq: int, name: str, work: Any,
+                  on_failure: OnFailure) -> None:
+    """Complete ``#seq`` when ``work``'s future does, or report its failure."""
+    try:
+        future = work.get_future()
+    except Exception:  # noqa: BLE001 - a backend without futures: count it as done when issued
+        _complete(progress, seq)
+        return
+
+    def done(fut: Any) -> None:
+        try:
+            fut.value()
+        except Exception as e:  # noqa: BLE001 - report off the backend's callback thread
+            threading.Thread(target=on_failure, args=(seq, name, e, False),
+                             daemon=True).start()
+            return
+        _complete(progress, seq)
+
+    future.add_done_callback(done)
+
+
+def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
+          on_failure: OnFailure) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        if not _is_world(kwargs, args, name):
+            return fn(*args, **kwargs)
+        with _LOCK:
+            progress.entered += 1
+            seq = progress.entered
+            progress.op, progress.since = name, time.time()
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            instead = on_failure(seq, name, e, True)
+            if instead is not None:
+                raise instead from e
+            raise
+        if kwargs.get("async_op") and result is not None:
+            _watch_future(progress, seq, name, result, on_failure)
+        else:
+            _complete(progress, seq)
+        return result
+
+    tracked.__hpc_tracked__ = True  # type: ignore[attr-defined]
+    return tracked
+
+
+def install(progress: Progress, on_failure: OnFailure,
+            module: Any | None = None) -> None:
+    """Wrap the :data:`COLLECTIVES` of ``module`` (default ``torch.distributed``).
+
+    Idempotent: a second call re-targets the wrappers to the new ``progress``.
+    """
+    if module is None:
+        import torch.distributed as module  # type: ignore[no-redef]
+    uninstall(module)
+    for name in COLLECTIVES:
+        fn = getattr(module, name, None)
+        if fn is None:
+            continue
+        _ORIGINALS[name] = fn
+        setattr(module, name, _wrap(name, fn, progress, on_failure))
+
+
+def uninstall(module: Any | None = None) -> None:
+    """Put the original functions back."""
+    if module is None:
+        import torch.distributed as module  # type: ignore[no-redef]
+    for name, fn in _ORIGINALS.items():
+        setattr(module, name, fn)
+    _ORIGINALS.clear()

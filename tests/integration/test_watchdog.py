@@ -1,0 +1,141 @@
+"""After init: a frozen or killed rank is named, and the whole job ends, per launcher.
+
+``scripts/hang.py``: rank ``HANG_RANK`` stops making progress before step ``HANG_STEP``
+(sleeps in Python, SIGSTOPs itself, or ``os._exit(9)``) while the others ``all_reduce``
+with a 10 s collective timeout and ``HPC_HANG_TIMEOUT=5``. Every launcher must end the
+job non-zero within timeout + 30 s and name the culprit; srun runs without
+``--kill-on-bad-exit`` (as users type it), where the job used to hold its allocation
+until the time limit.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    ROOT,
+    clean_env,
+    hpc_run,
+    require,
+    require_slurm,
+    script,
+    slurm_env,
+)
+from tests.integration.mpi_env import launcher
+
+PG_TIMEOUT = 10
+#: A job must end within the collective timeout plus this (the issue's bound).
+SLACK = 30
+HANG = script("hang.py")
+HANG_LINE = next(i for i, line in enumerate(Path(HANG).read_text().splitlines(), 1)
+                 if "HANG-LINE" in line)
+
+
+def hang_env(mode: str, rank: int = 1, **extra: str) -> dict[str, str]:
+    return clean_env(HANG_MODE=mode, HANG_RANK=str(rank), HANG_STEP="20",
+                     PG_TIMEOUT=str(PG_TIMEOUT), HPC_HANG_TIMEOUT="5", **extra)
+
+
+def timed(argv: list[str], env: dict[str, str], timeout: float = 90,
+          cwd: Path = ROOT) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False,
+                          cwd=cwd)
+    return proc, time.monotonic() - start
+
+
+def assert_named(out: str, rank: int, mode: str) -> None:
+    """The report names ``rank`` as never having entered the collective, and why."""
+    assert re.search(rf"rank {rank} \(\S+, pid \d+\) never entered all_reduce #\d+", out), out
+    if mode == "sleep":
+        assert f"it is at hang.py:{HANG_LINE} in <module>" in out, out
+    if mode == "stop":
+        assert "its watchdog did not answer (stopped)" in out, out
+    assert "UNREACHABLE" not in out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["sleep", "stop"])
+def test_hpc_run_frozen_rank_is_named_and_blamed(mode: str) -> None:
+    start = time.monotonic()
+    proc = hpc_run(3, [HANG], timeout=80, env=hang_env(mode))
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert elapsed < PG_TIMEOUT + SLACK, elapsed
+    assert_named(out, 1, mode)
+    # hpc run blames the rank that stopped, not the rank 0 that only waited for it.
+    assert "hpc run: rank 1 (pid" in proc.stderr and "failed first" in proc.stderr, proc.stderr
+    if mode == "sleep":  # the early warning came first, and did not end the job
+        assert out.index("possible hang (HPC_HANG_TIMEOUT=5s") < out.index("timed out")
+
+
+@pytest.mark.timeout(90)
+def test_hpc_run_killed_rank_is_blamed() -> None:
+    proc = hpc_run(3, [HANG], timeout=80, env=hang_env("exit"))
+    assert proc.returncode == 9, proc.stderr
+    assert "hpc run: rank 1 (pid" in proc.stderr and "failed first with exit code 9" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_frozen_rank_is_named() -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or require(
+        "torchrun", "torchrun (comes with torch)")
+    proc, elapsed = timed([torchrun, "--nproc-per-node", "3", HANG], hang_env("sleep"))
+    assert proc.returncode != 0
+    assert elapsed < PG_TIMEOUT + SLACK, elapsed
+    assert_named(proc.stdout + proc.stderr, 1, "sleep")
+    assert "hpc.errors.CollectiveError" in proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["sleep", "exit"])
+def test_mpirun_frozen_or_killed_rank(mode: str, tmp_path: Path) -> None:
+    prefix, env = launcher("openmpi", tmp_path, 3, True)
+    env.update({k: v for k, v in hang_env(mode).items() if k.startswith(("HANG", "PG_", "HPC_"))})
+    proc, elapsed = timed([*prefix, sys.executable, HANG], env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert elapsed < PG_TIMEOUT + SLACK, elapsed
+    if mode == "sleep":
+        assert_named(out, 1, mode)
+    else:  # the job ends at once; mpirun names the rank that exited
+        assert re.search(r"rank 1 .*exit|exit.*rank 1|Exit code:\s+9", out, re.DOTALL), out
+
+
+# --- srun on the test cluster, without --kill-on-bad-exit ------------------------------
+
+@pytest.fixture
+def job() -> Iterator[str]:
+    require_slurm()
+    name = f"hpct-{uuid.uuid4().hex[:8]}"
+    yield name
+    subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=30, check=False)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sleep", "stop", "exit"])
+def test_srun_job_ends_and_names_the_rank(mode: str, job: str, tmp_path: Path) -> None:
+    """Rank 3 (node2) freezes or dies; bare srun must still end, the culprit named."""
+    env = slurm_env(**{k: v for k, v in hang_env(mode, rank=3).items()
+                       if k.startswith(("HANG", "PG_", "HPC_"))})
+    require("srun", "Slurm client")
+    proc, elapsed = timed(["srun", f"--job-name={job}", "--time=3", "-N2",
+                           "--ntasks-per-node=2", sys.executable, HANG], env, timeout=100,
+                          cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert elapsed < PG_TIMEOUT + SLACK, f"{elapsed:.1f}s\n{out}"
+    assert_named(out, 3, mode)

@@ -1,0 +1,216 @@
+"""The stuck-rank report, the collective tracking and the watchdog's pure parts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+
+from hpc.bootstrap import failure, report, tracker, watchdog
+from hpc.environments import DistInfo
+
+
+def _entry(entered: int, completed: int, *, host: str = "node1", pid: int = 10,
+           answered: bool = True, where: str = "train.py:14 in <module>",
+           op: str = "all_reduce", **extra: Any) -> dict[str, Any]:
+    return {"entered": entered, "completed": completed, "op": op, "since": 100.0,
+            "host": host, "pid": pid, "answered": answered, "where": where, **extra}
+
+
+def test_report_names_the_rank_that_never_entered() -> None:
+    entries = {0: _entry(4, 3), 1: _entry(3, 3, host="node2", pid=1234,
+                                          stack='File "train.py", line 14 in <module>'),
+               2: _entry(4, 3), 3: _entry(4, 3)}
+    assert report.target(entries) == (4, "all_reduce")
+    assert report.culprits(entries) == [1]
+    text = report.compose("timeout", 0, entries, "Timed out waiting 20000ms for recv",
+                          now=112.5)
+    first = text.splitlines()[0]
+    assert first == ("all_reduce #4 timed out (reported by rank 0): rank 1 (node2, pid 1234) "
+                     "never entered it.")
+    assert ("rank 1 (node2, pid 1234) never entered all_reduce #4: its last collective was "
+            "all_reduce #3 (completed, 12.5s ago); it is at train.py:14 in <module>") in text
+    assert "stack of rank 1:\n    File \"train.py\", line 14" in text
+    assert "waiting in all_reduce #4: rank(s) 0, 2, 3." in text
+    assert "error on rank 0: Timed out waiting 20000ms for recv" in text
+    assert "\nHINT: " in text
+
+
+def test_report_on_a_silent_rank_says_what_is_known() -> None:
+    entries = {0: _entry(7, 6), 1: _entry(5, 5, answered=False, process="stopped")}
+    text = report.compose("failure", 0, entries, now=101.0)
+    assert ("rank 1 (node1, pid 10) never entered all_reduce #7: the last collective it "
+            "published was all_reduce #5 (completed, 1.0s ago)") in text
+    assert "its watchdog did not answer (stopped)" in text
+
+
+def test_report_when_every_rank_entered_blames_the_network() -> None:
+    entries = {0: _entry(2, 1), 1: _entry(2, 1)}
+    assert report.culprits(entries) == []
+    text = report.compose("timeout", 1, entries)
+    assert text.splitlines()[0] == "all_reduce #2 timed out (reported by rank 1)."
+    assert "network" in text
+
+
+def test_where_skips_library_frames() -> None:
+    import traceback
+
+    frames = [traceback.FrameSummary("/home/u/train.py", 14, "<module>"),
+              traceback.FrameSummary(report.__file__, 50, "tracked"),
+              traceback.FrameSummary("/x/site-packages/torch/distributed/c10d.py", 9, "all_reduce")]
+    assert report.where(frames) == "train.py:14 in <module>"
+
+
+def test_main_stack_is_the_main_threads(tmp_path: Any) -> None:
+    seen: list[str] = []
+    t = threading.Thread(target=lambda: seen.append(report.where(report.main_stack())))
+    t.start()
+    t.join()
+    assert seen and seen[0].startswith("test_watchdog.py:"), seen
+
+
+def test_main_thread_stack_picks_the_main_block() -> None:
+    ident = threading.main_thread().ident
+    dump = (f"Current thread 0x{1:016x} (most recent call first):\n  File \"w.py\", line 1 in run\n\n"
+            f"Thread 0x{ident:016x} (most recent call first):\n  File \"train.py\", line 14 in <module>\n")
+    assert watchdog.main_thread_stack(dump) == (
+        f"Thread 0x{ident:016x} (most recent call first):\n  File \"train.py\", line 14 in <module>")
+    assert "test_main_thread_stack_picks_the_main_block" in watchdog.main_thread_stack(
+        watchdog._stacks())
+
+
+class _Work:
+    def __init__(self, fut: Any) -> None:
+        self.fut = fut
+
+    def get_future(self) -> Any:
+        return self.fut
+
+
+def _fake_dist(fail: Exception | None = None) -> types.SimpleNamespace:
+    torch_fut = pytest.importorskip("torch.futures")
+
+    def all_reduce(t: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        if fail is not None:
+            raise fail
+        if async_op:
+            return _Work(torch_fut.Future())
+        return None
+
+    return types.SimpleNamespace(all_reduce=all_reduce, barrier=lambda group=None: None)
+
+
+def test_tracker_counts_world_collectives_only() -> None:
+    module = _fake_dist()
+    progress = tracker.Progress()
+    tracker.install(progress, lambda *a: None, module)
+    try:
+        module.all_reduce(1)
+        module.barrier()
+        assert (progress.entered, progress.completed, progress.op) == (2, 2, "barrier")
+        module.all_reduce(1, group=object())  # a subgroup: not counted
+        assert progress.entered == 2
+        work = module.all_reduce(1, async_op=True)
+        assert progress.waiting() and progress.op == "all_reduce"
+        work.fut.set_result(None)
+        assert not progress.waiting() and progress.completed == 3
+    finally:
+        tracker.uninstall(module)
+    assert not hasattr(module.all_reduce, "__hpc_tracked__")
+
+
+def test_tracker_raises_what_the_failure_callback_returns() -> None:
+    module = _fake_dist(fail=RuntimeError("Timed out waiting 10000ms for recv"))
+    calls: list[tuple[int, str, bool]] = []
+
+    def on_failure(seq: int, op: str, error: BaseException, raising: bool) -> Exception:
+        calls.append((seq, op, raising))
+        return ValueError("report")
+
+    tracker.install(tracker.Progress(), on_failure, module)
+    try:
+        with pytest.raises(ValueError, match="report") as caught:
+            module.all_reduce(1)
+    finally:
+        tracker.uninstall(module)
+    assert calls == [(1, "all_reduce", True)]
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_tracker_reports_a_failed_async_collective_off_thread() -> None:
+    torch_fut = pytest.importorskip("torch.futures")
+    fut = torch_fut.Future()
+    module = types.SimpleNamespace(all_reduce=lambda t, async_op=False, group=None: _Work(fut))
+    got = threading.Event()
+    tracker.install(tracker.Progress(), lambda seq, op, e, raising: got.set() if not raising else None,
+                    module)
+    try:
+        module.all_reduce(1, async_op=True)
+        fut.set_exception(RuntimeError("Connection closed by peer"))
+        assert got.wait(5)
+    finally:
+        tracker.uninstall(module)
+
+
+def test_flight_recorder_env_keeps_what_the_user_set() -> None:
+    assert watchdog.flight_recorder_env({}) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    env = {"HPC_LOG_DIR": "/runs/x", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    assert watchdog.flight_recorder_env(env) == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/x/nccl_trace_rank_"}
+
+
+def test_write_mark_keeps_an_earlier_mark(tmp_path: Any) -> None:
+    failure.write_mark(str(tmp_path), 1, "stuck since step 3", when=50.0)
+    failure.write_mark(str(tmp_path), 1, "exited with a non-zero code")
+    assert failure.read_mark(str(tmp_path), 1) == (50.0, "stuck since step 3")
+
+
+def test_watchdog_is_off_for_one_process_and_on_request() -> None:
+    one = DistInfo(launcher="local")
+    assert watchdog.start(one, lambda t: None, 10.0, {}) is None
+    two = DistInfo(launcher="local", rank=0, world_size=2)
+    assert watchdog.start(two, lambda t: None, 10.0, {"HPC_WATCHDOG": "0"}) is None
+
+
+def test_process_state_of_this_and_a_dead_pid() -> None:
+    import os
+    import subprocess
+    import sys
+
+    assert watchdog._process_state(os.getpid()) == "running"
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert watchdog._process_state(p.pid) == "gone"
+
+
+def test_gather_fills_in_silent_ranks_from_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    store.set("hpc/pf/1", json.dumps({"host": "elsewhere", "pid": 77}))
+    store.set("hpc/wd/state/1", json.dumps({"entered": 3, "completed": 3, "op": "all_reduce",
+                                            "since": time.time() - 5}))
+    monkeypatch.setattr(watchdog, "ANSWER_WAIT", 0.2)
+    dog = watchdog.Watchdog(DistInfo(launcher="local", rank=0, world_size=3),
+                            lambda t: store, 10.0, {})
+    dog.progress.entered = 4
+    dog.progress.op = "all_reduce"
+
+    def answer() -> None:  # rank 2's watchdog answers the request
+        while not store.check(["hpc/wd/req"]) or int(store.add("hpc/wd/req", 0)) < 1:
+            time.sleep(0.01)
+        store.set("hpc/wd/ans/1/2", json.dumps(_entry(4, 3, host="node3")))
+
+    t = threading.Thread(target=answer)
+    t.start()
+    entries = dog.gather(store)
+    t.join()
+    assert entries[1] == {"answered": False, "host": "elsewhere", "pid": 77, "entered": 3,
+                          "completed": 3, "op": "all_reduce", "since": entries[1]["since"]}
+    assert entries[2]["host"] == "node3" and entries[0]["answered"]
+    assert report.culprits(entries) == [1]
