@@ -283,6 +283,7 @@ def teardown() -> None:
         if dog is not None and dog.failure is not None:
             # A collective failed: the group's connections are broken; destroying it
             # can block, and gloo aborts the interpreter's shutdown (SIGABRT). End here.
+            dog.finish()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(watchdog.EXIT_CODE)

@@ -79,8 +79,8 @@ def _culprit_line(rank: int, e: Mapping[str, Any], seq: int, op: str, now: float
     line = f"{_who(rank, e)} never entered {op} #{seq}: {_last(e, now)}; "
     if e.get("answered"):
         return line + f"it is at {e.get('where')}"
-    state = e.get("process") or "no answer"
-    return line + f"its watchdog did not answer ({state})"
+    state = f" ({e['process']})" if e.get("process") else ""
+    return line + f"its watchdog did not answer{state}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

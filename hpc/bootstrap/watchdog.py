@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,11 @@ class Watchdog:
         self.slurm_step = (f"{environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}"
                            if environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_ID")
                            else None)
+        # Rank 0 serves the store unless the torchrun agent does: it must outlive the
+        # others' reading of a failure (see finish()).
+        self.serves_store = info.rank == 0 and \
+            environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+        self._cancel: threading.Thread | None = None
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.progress = tracker.Progress()
         self.failure: dict[str, Any] | None = None
@@ -176,6 +182,7 @@ class Watchdog:
         self._answer()
         if self._store.check(["hpc/wd/failed"]):
             failed = json.loads(self._store.get("hpc/wd/failed"))
+            self._ack(self._store)
             self._exit(f"rank {failed['rank']} reported that {failed['op']} "
                        f"#{failed['seq']} failed: {failed['summary']}")
         p = self.progress
@@ -186,6 +193,11 @@ class Watchdog:
                 text = report.compose("warning", self.info.rank, self.gather(self._store))
                 logger.warning("possible hang (HPC_HANG_TIMEOUT=%gs; not ending the job):\n%s",
                                self.hang_timeout, text)
+
+    def _ack(self, store: Any) -> None:
+        """Count this rank as having read the failure (rank 0 waits for the others)."""
+        if self.info.rank != 0:
+            store.add("hpc/wd/seen-failed", 1)
 
     def _exit(self, why: str) -> None:
         """Give the process :data:`EXIT_GRACE` seconds to exit by itself, then end it."""
@@ -289,6 +301,7 @@ class Watchdog:
         summary = text.splitlines()[0]
         store.set("hpc/wd/failed", json.dumps({"rank": self.info.rank, "seq": seq, "op": op,
                                                 "summary": summary}))
+        self._ack(store)
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             full = "\n\n".join(f"rank {r}:\n{e.get('threads', '(no answer)')}"
@@ -299,8 +312,9 @@ class Watchdog:
         return text
 
     def _await_report(self, store: Any, seq: int, op: str) -> str:
-        store.wait(["hpc/wd/failed"])
+        store.wait(["hpc/wd/failed"], timedelta(seconds=ANSWER_WAIT + STORE_TIMEOUT))
         failed = json.loads(store.get("hpc/wd/failed"))
+        self._ack(store)
         return (f"{op} #{seq} failed on rank {self.info.rank} ({self.host}, pid {self.pid}); "
                 f"rank {failed['rank']} reported: {failed['summary']}\n"
                 f"The full report with the stuck ranks' stacks is in rank {failed['rank']}'s "
@@ -330,7 +344,27 @@ class Watchdog:
             elif entries[r].get("host") != self.host:
                 remote = True
         if remote and self.slurm_step:
-            threading.Thread(target=self._scancel, daemon=True).start()
+            self._cancel = threading.Thread(target=self._scancel, daemon=True)
+            self._cancel.start()
+
+    def finish(self) -> None:
+        """Before a failed rank exits: run the pending step cancel, and, on the rank
+        serving the store, wait until every other rank read the failure (or
+        :data:`EXIT_GRACE` + 2 polls), so no rank loses the store before it learns
+        that the job failed."""
+        if self._cancel is not None:
+            self._cancel.join(EXIT_GRACE + 40)
+        if not self.serves_store:
+            return
+        deadline = time.monotonic() + EXIT_GRACE + 2 * POLL
+        try:
+            store = self.connect(STORE_TIMEOUT)
+            while time.monotonic() < deadline:
+                if int(store.add("hpc/wd/seen-failed", 0)) >= self.info.world_size - 1:
+                    return
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            logger.debug("finish: %s", e)
 
     def _scancel(self) -> None:
         time.sleep(EXIT_GRACE + 2 * POLL)  # let the live ranks print and exit first
