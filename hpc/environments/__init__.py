@@ -11,8 +11,11 @@ from collections.abc import Mapping
 from typing import Optional
 
 from hpc.environments.base import DistInfo, Environment
+from hpc.environments.flux import FluxEnvironment
 from hpc.environments.local import LocalEnvironment
+from hpc.environments.lsf import LSFEnvironment
 from hpc.environments.mpi import HydraEnvironment, MVAPICH2Environment, OpenMPIEnvironment
+from hpc.environments.pals import PALSEnvironment
 from hpc.environments.slurm import (
     SlurmEnvironment,
     expand_hostnames,
@@ -35,12 +38,29 @@ ORDER: tuple[type[Environment], ...] = (
     # variables; the MPI world is the real one, so MPI comes before Slurm.
     OpenMPIEnvironment,
     MVAPICH2Environment,
+    # Cray PALS, Flux and LSF jsrun also export PMI_RANK/PMI_SIZE (PALS, Flux), so each
+    # comes before hydra; started inside a Slurm job they inherit SLURM_* as MPI does.
+    PALSEnvironment,
+    FluxEnvironment,
+    LSFEnvironment,
     HydraEnvironment,
     # srun steps, including srun --mpi=pmix/pmi2 direct launch of MPI programs, and
     # the batch script itself (one process, with a warning).
     SlurmEnvironment,
-    # Nothing detected: a single process.
+    # Nothing detected: a single process, unless a rank/size variable says otherwise
+    # (see GUARD_VARIABLES).
     LocalEnvironment,
+)
+
+#: Rank and size variables of launchers (and of their PMI layers). When no environment
+#: matched, any of them saying "one of several processes" (a size > 1 or a rank > 0) is
+#: refused instead of starting N unrelated single processes.
+GUARD_VARIABLES = (
+    "PMI_SIZE", "PMI_RANK", "PMI_LOCAL_SIZE", "PMI_LOCAL_RANK", "PMIX_RANK",
+    "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PALS_RANKID", "PALS_LOCAL_SIZE",
+    "PALS_LOCAL_RANKID", "FLUX_JOB_SIZE", "FLUX_TASK_RANK", "JSM_NAMESPACE_SIZE",
+    "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+    "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK",
 )
 
 #: Extra names accepted by ``HPC_LAUNCHER`` that :func:`hpc.init_torch` handles.
@@ -98,8 +118,55 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
                         raise conflict from e
                 raise
             _cross_check(candidate, info, env)
+            if candidate is TorchrunEnvironment:
+                return _container_hook(info, env) or info
+            if candidate is LocalEnvironment:
+                _guard_single_process(env)
             return info
     raise AssertionError("LocalEnvironment always detects")  # pragma: no cover
+
+
+def _container_hook(info: DistInfo, env: Mapping[str, str]) -> Optional[DistInfo]:
+    """The Slurm step's layout when torchrun-style variables merely copy it.
+
+    enroot's PyTorch hook (NGC images under pyxis) exports ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the ``SLURM_*`` variables
+    into every srun task, but no ``LOCAL_WORLD_SIZE``/``GROUP_RANK``: read as torchrun,
+    every rank would be on node 0 of 1. No torchrun agent set them (no
+    ``TORCHELASTIC_RUN_ID``/``HPC_RUN_ID``) and they agree with the step: the step
+    says how many nodes and tasks per node; the exported master is kept.
+    """
+    if "TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env:
+        return None
+    if not (SlurmEnvironment.detect(env) and in_step(env)):
+        return None
+    try:
+        step = SlurmEnvironment.read(env)
+    except LaunchEnvironmentError:
+        return None
+    mine = (info.rank, info.world_size, info.local_rank)
+    if mine != (step.rank, step.world_size, step.local_rank):
+        return None
+    return step
+
+
+def _guard_single_process(env: Mapping[str, str]) -> None:
+    """Refuse rank/size variables that say "several processes" when nothing matched."""
+    said = [f"{k}={env[k].strip()}" for k in GUARD_VARIABLES
+            if env.get(k, "").strip().isdigit()
+            and int(env[k]) > (1 if k.endswith("SIZE") or k.endswith("NRANKS") else 0)]
+    if not said:
+        return
+    launchers = ", ".join(e.name for e in ORDER)
+    raise LaunchEnvironmentError(
+        f"no launcher detected, but {' '.join(said)} say this process is one of several.\n"
+        "Those variables belong to a launcher whose full set of rank variables is "
+        "missing (an unsupported launcher, or a partial hand-made set); starting anyway "
+        "would run every process alone as rank 0 of 1, N unrelated trainings.\n"
+        f"HINT: set HPC_LAUNCHER to the launcher that started this job (one of: "
+        f"{launchers}, mpi4py), or start the ranks with srun, mpirun/mpiexec, torchrun, "
+        "flux run or jsrun; HPC_LAUNCHER=local runs each process alone on purpose."
+    )
 
 
 def _cross_check(winner: type[Environment], info: DistInfo, env: Mapping[str, str]) -> None:

@@ -21,8 +21,8 @@ from typing import ClassVar, Optional
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["DistInfo", "Environment", "TableEnvironment", "env_int", "master_port",
-           "derive_port", "free_port", "launcher_pid", "node_local_master", "PORT_BASE",
-           "PORT_SPAN"]
+           "derive_port", "free_port", "launcher_pid", "node_local_master", "read_hostfile",
+           "PORT_BASE", "PORT_SPAN"]
 
 #: Derived master ports live in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
 #: ephemeral range (32768-60999) so a derived port is never taken by an outgoing socket.
@@ -161,12 +161,13 @@ class TableEnvironment(Environment):
     ``detect`` is true when the world-size variable is set. The launcher does not export
     the node index: with the usual block mapping (equal ranks per node, filled in order)
     it is ``rank // local_world_size``, and the node count, when the table has none, is
-    ``ceil(world_size / local_world_size)``. ``MASTER_ADDR``/``MASTER_PORT`` are read
-    when set.
+    ``ceil(world_size / local_world_size)``; a table with ``node_rank`` (PALS) reads it.
+    ``MASTER_ADDR``/``MASTER_PORT`` are read when set.
     """
 
     #: DistInfo field -> variable. ``world_size``, ``rank``, ``local_rank`` and
-    #: ``local_world_size`` are required; ``num_nodes`` and ``job_id`` are optional.
+    #: ``local_world_size`` are required; ``num_nodes``, ``node_rank`` and ``job_id``
+    #: are optional.
     fields: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -192,13 +193,16 @@ class TableEnvironment(Environment):
             num_nodes = env_int(environ, var["num_nodes"], default=0, source=src)
         if num_nodes <= 0:
             num_nodes = max(1, -(-world // lws))
+        node_rank = min(rank // lws, num_nodes - 1)
+        if "node_rank" in var:
+            node_rank = env_int(environ, var["node_rank"], default=node_rank, source=src)
         return DistInfo(
             launcher=src,
             rank=rank,
             local_rank=local_rank,
             world_size=world,
             local_world_size=lws,
-            node_rank=min(rank // lws, num_nodes - 1),
+            node_rank=node_rank,
             num_nodes=num_nodes,
             master_addr=environ.get("MASTER_ADDR") or None,
             master_port=master_port(environ, src),
@@ -288,3 +292,30 @@ def node_local_master(info: DistInfo) -> Optional[DistInfo]:
     ident = info.job_id or launcher_pid()
     return info.replace(master_addr=info.master_addr or "127.0.0.1",
                         master_port=info.master_port or derive_port("mpi", ident))
+
+
+def read_hostfile(path: str, variable: str) -> list[str]:
+    """The host names of a scheduler's host file (``PBS_NODEFILE``, ``LSB_DJOB_HOSTFILE``):
+    the first word of each non-blank line, in order, one line per slot.
+
+    Raises:
+        MasterAddressError: the file named by ``variable`` cannot be read or is empty.
+    """
+    from hpc.errors import MasterAddressError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            hosts = [line.split()[0] for line in fh if line.strip()]
+    except OSError as e:
+        raise MasterAddressError(
+            f"cannot read the host file {variable}={path}: {e}.\n"
+            "The master address is the first host of that file.\n"
+            "HINT: run on a node that sees the file, or export MASTER_ADDR and MASTER_PORT."
+        ) from e
+    if not hosts:
+        raise MasterAddressError(
+            f"the host file {variable}={path} lists no hosts.\n"
+            "The master address is the first host of that file.\n"
+            "HINT: export MASTER_ADDR=<rank 0's host> and MASTER_PORT=<a free port>."
+        )
+    return hosts

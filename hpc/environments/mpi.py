@@ -4,7 +4,8 @@ MPI ranks carry no master address. :func:`hpc.init_torch` resolves it (see
 :func:`hpc.bootstrap.master.resolve_master`): ``MASTER_ADDR``/``MASTER_PORT`` if set,
 else :meth:`~hpc.environments.mpi.MPIEnvironment.master`: rank 0's address and a free
 port broadcast through mpi4py, else ``127.0.0.1`` when all ranks share one node, else
-the first host of the Slurm allocation. mpi4py is imported only there, at init:
+the first host of the Slurm allocation, else the first host of ``PBS_NODEFILE`` (PBS
+or Torque with hydra's ``mpiexec``). mpi4py is imported only there, at init:
 importing it initialises MPI.
 
 Under ``mpirun``/``mpiexec`` inside a Slurm allocation the ranks also inherit
@@ -22,7 +23,8 @@ MPICH / Intel MPI (hydra)        ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``
                                  ``MPI_LOCALNRANKS``
 MVAPICH2                         ``MV2_COMM_WORLD_RANK``, ``_SIZE``,
                                  ``_LOCAL_RANK``, ``_LOCAL_SIZE``
-all                              ``MASTER_ADDR``, ``MASTER_PORT`` (optional)
+all                              ``MASTER_ADDR``, ``MASTER_PORT`` (optional);
+                                 ``PBS_NODEFILE``, ``PBS_JOBID`` (PBS master)
 ===============================  ============================================
 """
 
@@ -39,10 +41,11 @@ from hpc.environments.base import (
     free_port,
     node_local_master,
 )
+from hpc.environments.pals import pbs_master
 from hpc.environments.slurm import allocation_master
 
 __all__ = ["MPIEnvironment", "OpenMPIEnvironment", "HydraEnvironment", "MVAPICH2Environment",
-           "mpi4py_world"]
+           "broadcast_master", "mpi4py_world"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +63,11 @@ class MPIEnvironment(TableEnvironment):
     def master(cls, info: DistInfo, environ: Mapping[str, str]) -> Optional[DistInfo]:
         """mpi4py broadcast of rank 0's host and a free port, else every rank on this
         node (:func:`~hpc.environments.base.node_local_master`), else the first host of
-        the Slurm allocation (:func:`~hpc.environments.slurm.allocation_master`)."""
-        return (_broadcast_master(info) or node_local_master(info)
-                or allocation_master(info, environ))
+        the Slurm allocation (:func:`~hpc.environments.slurm.allocation_master`), else
+        the first host of a PBS/Torque job's ``PBS_NODEFILE``
+        (:func:`~hpc.environments.pals.pbs_master`)."""
+        return (broadcast_master(info) or node_local_master(info)
+                or allocation_master(info, environ) or pbs_master(info, environ))
 
 
 class OpenMPIEnvironment(MPIEnvironment):
@@ -111,7 +116,7 @@ class HydraEnvironment(MPIEnvironment):
         return "PMI_RANK" in environ and "PMI_SIZE" in environ and "MPI_LOCALRANKID" in environ
 
 
-def _broadcast_master(info: DistInfo) -> Optional[DistInfo]:
+def broadcast_master(info: DistInfo) -> Optional[DistInfo]:
     """Rank 0's host (``127.0.0.1`` on one node) and a port it checked is free, sent to
     every rank through mpi4py; None when mpi4py is unusable for this launch."""
     comm = mpi4py_world(info.launcher)

@@ -6,7 +6,9 @@ variables, which describe what ``sbatch``/``salloc`` asked for.
 ==============================  ======================================================
 ``SLURM_JOB_ID``                marks a Slurm job (required)
 ``SLURM_STEP_ID``               present only inside an ``srun`` step; missing in the
-                                batch script itself (then: one process, with a warning)
+                                batch script itself (then: one process, with a warning;
+                                an error if ``SLURM_PROCID``/``LOCALID``/``NODEID`` are
+                                non-zero there)
 ``SLURM_PROCID``                global rank
 ``SLURM_LOCALID``               rank on this node
 ``SLURM_NODEID``                node index within the step
@@ -16,6 +18,9 @@ variables, which describe what ``sbatch``/``salloc`` asked for.
                                 is its first host, expanded like ``scontrol show hostnames``
 ``SLURM_STEP_TASKS_PER_NODE``   e.g. ``2(x3),1`` (else ``SLURM_TASKS_PER_NODE``); gives
                                 the local world size
+``SLURMD_NODENAME``             this task's node: rank 0 must run on the master host
+``SLURM_CPUS_PER_TASK``         CPUs of each task: its thread count (read at init by
+                                :mod:`hpc.bootstrap.threads`)
 ``MASTER_ADDR``                 override the derived master address
 ``MASTER_PORT``                 override the derived master port
 ==============================  ======================================================
@@ -45,6 +50,7 @@ __all__ = ["SlurmEnvironment", "allocation_master", "expand_hostnames", "expand_
            "slurm_port"]
 
 _TPN = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+_BLANKS = re.compile(r"\s*,\s*|\s+")
 # SLURM_STEP_ID of the batch and extern steps (SLURM_BATCH_SCRIPT / SLURM_EXTERN_CONT).
 # Special step ids of Slurm >= 20.11 (0xfffffffa..0xfffffffd) and older releases.
 _SPECIAL_STEPS = {
@@ -58,10 +64,12 @@ def expand_hostnames(nodelist: str) -> list[str]:
 
     Order and duplicates are kept, zero padding is preserved, several bracket groups
     in one name (``a[1-2]-b[3-4]``) expand as a product, and comma-separated groups
-    are concatenated. No ``scontrol`` is needed.
+    are concatenated. Blanks separate names as commas do (``"a, b"`` is ``a`` and
+    ``b``, as for ``scontrol``). No ``scontrol`` is needed.
     """
+    cleaned = _BLANKS.sub(",", nodelist.strip()).strip(",")
     try:
-        return list(hostlist.expand_hostlist(nodelist, allow_duplicates=True, sort=False))
+        return list(hostlist.expand_hostlist(cleaned, allow_duplicates=True, sort=False))
     except hostlist.BadHostlist as e:
         raise LaunchEnvironmentError(
             f"slurm: cannot expand the nodelist {nodelist!r}: {e}.\n"
@@ -126,7 +134,7 @@ class SlurmEnvironment(Environment):
 
     name = "slurm"
     rank_var = "SLURM_PROCID"
-    variables = ("MASTER_ADDR", "MASTER_PORT")
+    variables = ("MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME")
     # PMIX_*/PMI_*: srun --mpi=pmix/pmi2 steps, compared with SLURM_PROCID.
     patterns = ("SLURM_*", "PMIX_*", "PMI_*")
 
@@ -171,6 +179,8 @@ class SlurmEnvironment(Environment):
         nodelist = pick("SLURM_STEP_NODELIST", "SLURM_NODELIST") or ""
         hosts = expand_hostnames(nodelist) if nodelist else []
         addr = environ.get("MASTER_ADDR") or (hosts[0] if hosts else None)
+        if rank == 0 and not environ.get("MASTER_ADDR"):
+            _check_rank0_host(environ, hosts)
         return DistInfo(
             launcher="slurm",
             rank=rank,
@@ -190,8 +200,42 @@ class SlurmEnvironment(Environment):
         return node_local_master(info) or allocation_master(info, environ)
 
 
+def _check_rank0_host(environ: Mapping[str, str], hosts: list[str]) -> None:
+    """Rank 0 serves the store on the step's first host: refuse to start elsewhere.
+
+    With ``SLURM_HOSTFILE`` and ``--distribution=arbitrary`` rank 0 may run on another
+    node than the first of the (sorted) step nodelist; its peers would then wait the
+    whole connect timeout for an "unreachable master". Rank 0 fails at once instead.
+    """
+    here = environ.get("SLURMD_NODENAME")
+    if not (here and hosts) or here == hosts[0]:
+        return
+    raise LaunchEnvironmentError(
+        f"slurm: rank 0 runs on {here} but the master address is {hosts[0]}, the first "
+        f"host of the step's nodelist {environ.get('SLURM_STEP_NODELIST')!r}.\n"
+        "Rank 0 serves the rendezvous store, so the other ranks would wait for a master "
+        "that never listens there; the task layout is not block order (SLURM_HOSTFILE "
+        "with --distribution=arbitrary, or a custom --distribution).\n"
+        "HINT: export MASTER_ADDR=<rank 0's host> to every task, e.g. "
+        "MASTER_ADDR=$(head -n1 \"$SLURM_HOSTFILE\") before srun, or use block "
+        "distribution."
+    )
+
+
 def _batch_script(environ: Mapping[str, str], job: str | None, port: int) -> DistInfo:
     """``python train.py`` run by the batch script itself: one process, never N."""
+    task_vars = [f"{k}={environ[k]}" for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+                 if environ.get(k, "0").strip() not in ("", "0")]
+    if task_vars:
+        raise LaunchEnvironmentError(
+            f"slurm: {' '.join(task_vars)} but no SLURM_STEP_ID: job {job} has no srun "
+            "step here, yet this process claims to be a task other than the first.\n"
+            "Only srun writes these variables, together with SLURM_STEP_ID; they were "
+            "exported by hand or copied from another process (a wrapper, a container "
+            "runtime, ssh).\n"
+            "HINT: start the tasks with srun (which sets all of them), or unset "
+            "SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID; HPC_LAUNCHER=local runs one process."
+        )
     ntasks = environ.get("SLURM_NTASKS", "1")
     warnings: tuple[str, ...] = ()
     if ntasks not in ("", "1"):

@@ -53,6 +53,14 @@ EXPECTED: dict[str, dict[str, Any]] = {
     # torchrun inside srun: the workers' variables win; the master is the agents' store.
     "srun_torchrun_env.txt": dict(launcher="torchrun", world=4, nodes=2, master="node1",
                                   port=38097, job_id="envdump"),
+    # Issue 13: launchers that cannot run here, fixtures built from their documentation
+    # (tests/fixtures/env/README.md cites it); the master is found at init (master hook).
+    "pals_mpiexec_env.txt": dict(launcher="pals", world=4, nodes=2, master=None, port=None,
+                                 job_id="1234567.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov"),
+    "flux_run_env.txt": dict(launcher="flux", world=4, nodes=2, master=None, port=None,
+                             job_id="fA2bSjh3f"),
+    "lsf_jsrun_env.txt": dict(launcher="lsf", world=4, nodes=2, master=None, port=None,
+                              job_id="1234567"),
     # salloc's own shell on the login host: like the batch script, one process.
     "salloc_shell_env.txt": dict(launcher="slurm", world=1, nodes=1, master="127.0.0.1",
                                  port=15000 + (61 * 64 + 4094) % 17000, job_id="61.batch"),
@@ -519,5 +527,6 @@ def test_detect_does_not_import_mpi4py() -> None:
                           capture_output=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result == {"launchers": ["mpich", "openmpi", "slurm", "torchrun"], "mpi4py": False,
+    assert result == {"launchers": ["flux", "lsf", "mpich", "openmpi", "pals", "slurm", "torchrun"],
+                      "mpi4py": False,
                       "torch": False}

@@ -37,6 +37,11 @@ HOSTLISTS: dict[str, list[str]] = {
     "n[01-2]": ["n01", "n02"],
     "n[9-10]": ["n9", "n10"],
     "n[09-10]": ["n09", "n10"],
+    # blanks separate names like commas (issue 13: "a, b" gave " b")
+    "a, b": ["a", "b"],
+    " node001 ": ["node001"],
+    "n[1-2] m3": ["n1", "n2", "m3"],
+    "a ,b,  c": ["a", "b", "c"],
 }
 
 #: Rejected by both python-hostlist and scontrol ("Invalid hostlist").
