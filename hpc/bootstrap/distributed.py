@@ -23,6 +23,7 @@ from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
 
+from hpc.bootstrap import threads
 from hpc.environments import DistInfo, detect
 from hpc.errors import LaunchEnvironmentError
 
@@ -117,18 +118,9 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
     count = torch.cuda.device_count()
     if count == 0:
         return backend or "gloo", torch.device("cpu")
-    if count == 1:
-        index = 0  # one visible GPU per task (--gpus-per-task=1, or a bound launcher)
-    elif info.local_rank < count:
-        index = info.local_rank
-    else:
-        raise LaunchEnvironmentError(
-            f"local rank {info.local_rank} of {info.local_world_size} has no GPU: only "
-            f"{count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}).\n"
-            "More tasks per node were started than GPUs were allocated.\n"
-            "HINT: use --ntasks-per-node equal to --gpus-per-node (one task per GPU), "
-            "or pass backend='gloo' to run on CPU."
-        )
+    from hpc.bootstrap import gpubind
+
+    index = gpubind.choose_index(info.local_rank, info.local_world_size, count, os.environ)
     torch.cuda.set_device(index)
     return backend or DEFAULT_GPU_BACKEND, torch.device("cuda", index)
 
@@ -184,6 +176,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
 
     env = os.environ if environ is None else environ
     info = _resolve(env)
+    threads.configure(info, env)  # OMP_NUM_THREADS / torch threads per rank
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if connect_timeout is None:

@@ -29,17 +29,57 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from hpc.errors import LaunchEnvironmentError
 
-__all__ = ["GpuClaim", "local_claim", "publish", "find_shared", "shared_gpu_error",
-           "mig_devices", "narrow_mig"]
+__all__ = ["GpuClaim", "VISIBLE_DEVICES", "choose_index", "local_claim", "publish",
+           "find_shared", "shared_gpu_error", "visible_devices", "mig_devices", "narrow_mig"]
 
 logger = logging.getLogger(__name__)
 
 _SHARED = "hpc/pf/gpu-shared"
+#: The variables that choose the GPUs a process sees: NVIDIA's, and AMD ROCm's two.
+VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def visible_devices(environ: Mapping[str, str]) -> str:
+    """``CUDA_VISIBLE_DEVICES=0,1`` (and the ROCm variables that are set), for messages;
+    ``CUDA_VISIBLE_DEVICES=None`` when none is set."""
+    shown = [f"{k}={environ[k]}" for k in VISIBLE_DEVICES if k in environ]
+    return " ".join(shown) or "CUDA_VISIBLE_DEVICES=None"
+
+
+def _visible_value(environ: Mapping[str, str]) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES``'s value; under ROCm without it, the ROCm variables' text."""
+    if "CUDA_VISIBLE_DEVICES" in environ or not any(k in environ for k in VISIBLE_DEVICES):
+        return environ.get("CUDA_VISIBLE_DEVICES")
+    return visible_devices(environ)
+
+
+def choose_index(local_rank: int, local_world_size: int, count: int,
+                 environ: Mapping[str, str]) -> int:
+    """The ``cuda:<index>`` this rank binds, of the ``count`` GPUs it sees (pure).
+
+    One visible GPU, or GPUs of the task's own (``srun --gpus-per-task=k`` sets
+    ``SLURM_GPUS_PER_TASK`` and gives each task its k GPUs): the first. Otherwise the
+    node's GPUs are shared by its ranks: ``cuda:<local_rank>``.
+
+    Raises:
+        LaunchEnvironmentError: more ranks on this node than GPUs.
+    """
+    if count == 1 or environ.get("SLURM_GPUS_PER_TASK", "").strip():
+        return 0
+    if local_rank < count:
+        return local_rank
+    raise LaunchEnvironmentError(
+        f"local rank {local_rank} of {local_world_size} has no GPU: only "
+        f"{count} visible ({visible_devices(environ)}).\n"
+        "More tasks per node were started than GPUs were allocated.\n"
+        "HINT: use --ntasks-per-node equal to --gpus-per-node (one task per GPU), "
+        "or pass backend='gloo' to run on CPU."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +92,8 @@ class GpuClaim:
     index: int                  #: ``cuda:<index>`` as this process sees it
     uuid: str                   #: the physical GPU (``torch.cuda`` device UUID)
     name: str = ""
-    visible: Optional[str] = None   #: this process's ``CUDA_VISIBLE_DEVICES``
+    #: this process's ``CUDA_VISIBLE_DEVICES`` value, or :func:`visible_devices`'s text
+    visible: Optional[str] = None
 
     @property
     def key(self) -> str:
@@ -84,7 +125,7 @@ def local_claim(rank: int, local_rank: int, index: int) -> Optional[GpuClaim]:
         return None
     return GpuClaim(rank=rank, local_rank=local_rank, host=socket.gethostname(),
                     index=index, uuid=ident, name=name,
-                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+                    visible=_visible_value(os.environ))
 
 
 def publish(store: Any, claim: GpuClaim) -> None:
@@ -116,7 +157,8 @@ def shared_gpu_error(claims: Sequence[GpuClaim]) -> LaunchEnvironmentError:
     shown = ", ".join(ranks[:-1]) + " and " + ranks[-1]
     first = claims[0]
     each = "; ".join(f"rank {c.rank}: local rank {c.local_rank}, cuda:{c.index}, "
-                     f"CUDA_VISIBLE_DEVICES={c.visible}" for c in claims[:16])
+                     + (c.visible if c.visible and "=" in c.visible
+                        else f"CUDA_VISIBLE_DEVICES={c.visible}") for c in claims[:16])
     return LaunchEnvironmentError(
         f"ranks {shown} would share one GPU under nccl: {first.name} ({first.uuid}) on "
         f"{first.host} ({each}).\n"

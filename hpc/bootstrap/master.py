@@ -11,14 +11,54 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Optional
 
 from hpc.environments import DistInfo, Environment, by_name
 from hpc.environments.mpi import MPIEnvironment, mpi4py_world
 from hpc.errors import LaunchEnvironmentError, MasterAddressError
 
-__all__ = ["from_mpi4py", "resolve_master"]
+__all__ = ["from_mpi4py", "resolve_master", "ephemeral_port_warning", "ephemeral_range"]
 
 logger = logging.getLogger(__name__)
+
+#: Where Linux keeps the ports it hands to outgoing sockets.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[tuple[int, int]]:
+    """This host's ephemeral port range ``(low, high)``, None when unknown (not Linux)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            low, high = (int(v) for v in fh.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def ephemeral_port_warning(info: DistInfo, environ: Mapping[str, str],
+                           port_range: Optional[tuple[int, int]]) -> Optional[str]:
+    """A warning when an inherited ``MASTER_PORT`` lies in the ephemeral range (pure).
+
+    Any outgoing connection on the master's host may be given that port first, and
+    rank 0 then fails to listen now and then (EADDRINUSE; NVIDIA/enroot#243). Ports
+    chosen by a torchrun agent or ``hpc run`` (already bound by them) are not warned.
+    """
+    raw = environ.get("MASTER_PORT", "").strip()
+    if not raw.isdigit() or port_range is None or info.world_size == 1:
+        return None
+    if "TORCHELASTIC_RUN_ID" in environ or "HPC_RUN_ID" in environ:
+        return None
+    low, high = port_range
+    if not low <= int(raw) <= high:
+        return None
+    return (
+        f"MASTER_PORT={raw} lies in this host's ephemeral port range {low}-{high} "
+        "(/proc/sys/net/ipv4/ip_local_port_range): the kernel may give it to any "
+        "outgoing connection first, and rank 0 then fails now and then to listen on it "
+        "(EADDRINUSE).\n"
+        "HINT: unset MASTER_PORT to use the derived port (below the range), or export a "
+        f"port below {low}, e.g. MASTER_PORT=29500."
+    )
 
 
 def from_mpi4py() -> DistInfo:
@@ -48,6 +88,9 @@ def resolve_master(info: DistInfo, environ: Mapping[str, str]) -> DistInfo:
     single process > the ``master`` hook of the environment that produced ``info`` >
     :class:`MasterAddressError`.
     """
+    warning = ephemeral_port_warning(info, environ, ephemeral_range())
+    if warning:
+        info = info.replace(warnings=(*info.warnings, warning))
     if info.master_addr and info.master_port:
         return info
     if info.world_size == 1:

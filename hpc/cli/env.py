@@ -22,7 +22,11 @@ def describe_local() -> dict[str, Any]:
     row: dict[str, Any] = dataclasses.asdict(detect())
     row["warnings"] = list(row["warnings"])
     row["host"] = socket.gethostname()
-    row["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    from hpc.bootstrap.gpubind import VISIBLE_DEVICES
+
+    for key in VISIBLE_DEVICES:  # NVIDIA's, and AMD ROCm's when set
+        if key == "CUDA_VISIBLE_DEVICES" or key in os.environ:
+            row[key] = os.environ.get(key)
     try:
         import torch
 
@@ -74,11 +78,14 @@ def _run(args: argparse.Namespace) -> int:
     dist.all_gather_object(rows, row)
     if not hpc.is_master():
         return 0
-    cols = ("rank", "local_rank", "node_rank", "host", "launcher", "world_size",
-            "local_world_size", "master_addr", "master_port", "CUDA_VISIBLE_DEVICES")
+    cols: tuple[str, ...] = ("rank", "local_rank", "node_rank", "host", "launcher",
+                             "world_size", "local_world_size", "master_addr", "master_port",
+                             "CUDA_VISIBLE_DEVICES")
+    cols += tuple(k for k in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+                  if any(k in r for r in rows))
     print(" ".join(f"{c:>12}" for c in cols))
     for r in sorted(rows, key=lambda r: r["rank"]):
-        print(" ".join(f"{str(r[c]):>12}" for c in cols))
+        print(" ".join(f"{str(r.get(c)):>12}" for c in cols))
     problems = find_mismatches(rows)
     for p in problems:
         print(f"MISMATCH: {p}")

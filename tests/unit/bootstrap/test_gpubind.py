@@ -132,3 +132,43 @@ def test_init_binds_the_local_ranks_mig_instance(monkeypatch) -> None:
     import os
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == _NEW[1]
+
+# --- choose_index and AMD's variables (issue 13) --------------------------------------
+
+
+def test_choose_index_rules() -> None:
+    from hpc.bootstrap.gpubind import choose_index
+
+    assert choose_index(3, 4, 1, {}) == 0                  # one GPU per task
+    assert choose_index(1, 2, 2, {}) == 1                  # the node's GPUs, shared
+    assert choose_index(1, 2, 2, {"SLURM_GPUS_PER_TASK": "2"}) == 0  # its own 2 GPUs
+
+
+def test_choose_index_gpus_per_task_never_gets_the_more_tasks_hint() -> None:
+    """--gpus-per-task=2 with 4 tasks per node: each task sees its own 2 GPUs."""
+    from hpc.bootstrap.gpubind import choose_index
+
+    assert choose_index(3, 4, 2, {"SLURM_GPUS_PER_TASK": "2"}) == 0
+
+
+def test_more_tasks_than_gpus_names_rocm_variables() -> None:
+    from hpc.bootstrap.gpubind import choose_index
+    from hpc.errors import LaunchEnvironmentError
+
+    env = {"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "0,1"}
+    with pytest.raises(LaunchEnvironmentError, match="has no GPU") as e:
+        choose_index(2, 3, 2, env)
+    assert "ROCR_VISIBLE_DEVICES=0,1 HIP_VISIBLE_DEVICES=0,1" in str(e.value)
+    with pytest.raises(LaunchEnvironmentError, match=r"CUDA_VISIBLE_DEVICES=None\)"):
+        choose_index(2, 3, 2, {})
+
+
+def test_local_claim_under_rocm_shows_rocr(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.bootstrap import gpubind
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props("u-1"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "2")
+    got = gpubind.local_claim(rank=0, local_rank=0, index=0)
+    assert got is not None and got.visible == "ROCR_VISIBLE_DEVICES=2"
+    assert "ROCR_VISIBLE_DEVICES=2" in str(gpubind.shared_gpu_error([got, got]))

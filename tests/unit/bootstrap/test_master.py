@@ -97,3 +97,31 @@ def test_environment_master_hook_defaults_to_none() -> None:
     from hpc.environments.local import LocalEnvironment
 
     assert LocalEnvironment.master(mpi_info(1, 4, 4, launcher="local"), {}) is None
+
+
+# --- an inherited MASTER_PORT in the ephemeral range (issue 13) ------------------------
+
+
+def test_ephemeral_master_port_warns(tmp_path) -> None:
+    from hpc.bootstrap.master import ephemeral_port_warning, ephemeral_range
+
+    ranges = tmp_path / "range"
+    ranges.write_text("32768\t60999\n")
+    assert ephemeral_range(str(ranges)) == (32768, 60999)
+    assert ephemeral_range(str(tmp_path / "none")) is None
+    env = dict(load("srun_from_login_env.txt")[1][1], MASTER_PORT="41000")
+    info = detect(env)
+    text = ephemeral_port_warning(info, env, (32768, 60999))
+    assert text and "MASTER_PORT=41000" in text and "32768-60999" in text and "HINT" in text
+    assert ephemeral_port_warning(info, dict(env, MASTER_PORT="29500"), (32768, 60999)) is None
+    assert ephemeral_port_warning(info, dict(env, HPC_RUN_ID="x"), (32768, 60999)) is None
+    assert ephemeral_port_warning(info, env, None) is None
+
+
+def test_resolve_master_attaches_the_warning(monkeypatch) -> None:
+    from hpc.bootstrap import master
+
+    monkeypatch.setattr(master, "ephemeral_range", lambda: (32768, 60999))
+    env = dict(load("srun_from_login_env.txt")[1][1], MASTER_PORT="41000")
+    info = master.resolve_master(detect(env), env)
+    assert info.master_port == 41000 and len(info.warnings) == 1

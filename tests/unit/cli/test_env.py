@@ -30,7 +30,9 @@ def rows_of(name: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", ["sbatch_srun_tasks_env.txt", "srun_from_login_env.txt",
-                                  "openmpi_mpirun_local.txt", "mpich_mpiexec_local.txt"])
+                                  "openmpi_mpirun_local.txt", "mpich_mpiexec_local.txt",
+                                  "pals_mpiexec_env.txt", "flux_run_env.txt",
+                                  "lsf_jsrun_env.txt"])
 def test_find_mismatches_clean(name: str) -> None:
     assert find_mismatches(rows_of(name)) == []
 

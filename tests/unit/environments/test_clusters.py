@@ -36,11 +36,8 @@ def no_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_pals_master_is_first_host_of_pbs_nodefile(tmp_path: Path) -> None:
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("x3006c0s13b0n0.hsn.cm.polaris\nx3006c0s19b1n0.hsn.cm.polaris\n")
-    infos = [resolve_master(detect(task("pals_mpiexec_env.txt", r,
-                                        PBS_NODEFILE=str(nodefile))), {"PBS_NODEFILE":
-                                                                       str(nodefile),
-                                                                       "PBS_JOBID": "1234567.x"})
-             for r in range(4)]
+    envs = [task("pals_mpiexec_env.txt", r, PBS_NODEFILE=str(nodefile)) for r in range(4)]
+    infos = [resolve_master(detect(env), env) for env in envs]
     assert {(i.master_addr, i.master_port) for i in infos} == {
         ("x3006c0s13b0n0.hsn.cm.polaris", derive_port("1234567", "pbs"))}
     assert [(i.node_rank, i.local_rank) for i in infos] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -59,7 +56,8 @@ def test_hydra_under_pbs_without_mpi4py_uses_pbs_nodefile(tmp_path: Path,
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("cn01\ncn01\ncn02\ncn02\n")
     env = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2",
-           "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "77.torque01", "PBS_ENVIRONMENT": "PBS_BATCH"}
+           "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "77.torque01",
+           "PBS_ENVIRONMENT": "PBS_BATCH"}
     info = resolve_master(detect(env), env)
     assert (info.launcher, info.rank, info.node_rank, info.num_nodes) == ("mpich", 2, 1, 2)
     assert (info.master_addr, info.master_port) == ("cn01", derive_port("77", "pbs"))

@@ -1,0 +1,76 @@
+"""CPU threads per rank (issue 13 part 3): the pure plan, and configure on this process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hpc.bootstrap import threads
+from hpc.bootstrap.threads import plan_threads
+from hpc.environments import detect
+from tests.unit.envdumps import load
+
+STEP = dict(load("srun_from_login_env.txt")[1][1])  # an srun task, 2 tasks per node
+ONE = detect({})
+
+
+def test_srun_cpus_per_task_sets_the_count() -> None:
+    info = detect(STEP)
+    assert plan_threads(info, dict(STEP, SLURM_CPUS_PER_TASK="4"), usable=4, host_cpus=64) \
+        == (4, ())
+
+
+def test_srun_cpus_per_task_bound_to_fewer_cpus_warns() -> None:
+    """Slurm 22.05-23.02: srun inside sbatch -c 4 binds 1 CPU per task."""
+    info = detect(STEP)
+    count, warnings = plan_threads(info, dict(STEP, SLURM_CPUS_PER_TASK="4"), usable=1,
+                                   host_cpus=64)
+    assert count == 1 and len(warnings) == 1
+    assert "SLURM_CPUS_PER_TASK=4" in warnings[0] and "only 1 CPU" in warnings[0]
+    assert "HINT" in warnings[0] and "SRUN_CPUS_PER_TASK" in warnings[0]
+
+
+def test_user_omp_num_threads_is_kept_but_binding_still_warned() -> None:
+    info = detect(STEP)
+    env = dict(STEP, SLURM_CPUS_PER_TASK="2", OMP_NUM_THREADS="3")
+    count, warnings = plan_threads(info, env, usable=1, host_cpus=8)
+    assert count is None and len(warnings) == 1
+
+
+@pytest.mark.parametrize("usable,host,expected", [
+    (64, 64, 32),   # not bound: the host's CPUs shared by the node's 2 ranks
+    (8, 64, 8),     # bound by the launcher to 8 CPUs: use them
+    (1, 2, 1),      # srun -n2 -c1 under task/affinity
+    (2, 2, 1),      # unbound on a 2-CPU host with 2 ranks
+])
+def test_several_ranks_per_node_without_cpus_per_task(usable: int, host: int,
+                                                      expected: int) -> None:
+    env = {k: v for k, v in STEP.items() if k != "SLURM_CPUS_PER_TASK"}
+    assert plan_threads(detect(env), env, usable=usable, host_cpus=host) == (expected, ())
+
+
+def test_single_process_is_left_alone() -> None:
+    assert plan_threads(ONE, {}, usable=64, host_cpus=64) == (None, ())
+
+
+def test_batch_script_cpus_per_task_is_not_a_step() -> None:
+    (_, batch), = load("sbatch_batchstep_env.txt")
+    env = dict(batch, SLURM_CPUS_PER_TASK="4")
+    assert plan_threads(detect(env), env, usable=1, host_cpus=64) == (None, ())
+
+
+def test_configure_sets_omp_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_usable_cpus", lambda: 1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    exported: dict[str, str] = {}
+    env = dict(STEP, SLURM_CPUS_PER_TASK="1")
+    try:
+        assert threads.configure(detect(env), env, export=exported) == 1
+        assert exported == {"OMP_NUM_THREADS": "1"} and torch.get_num_threads() == 1
+        assert "OMP_NUM_THREADS" not in os.environ
+    finally:
+        torch.set_num_threads(before)
