@@ -92,7 +92,8 @@ def make_executor(options: SubmitOptions) -> Any:
         slurm_additional_parameters={"signal": f"{sig}@{options.signal_delay_s}",
                                      "requeue": True, **parse_sbatch(options.sbatch)},
         slurm_setup=[f"export {k}={shlex.quote(v)}" for k, v in env.items()],
-        slurm_srun_args=["--kill-on-bad-exit=1"])
+        # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task from sbatch: pass it.
+        slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"])
     return ex
 
 

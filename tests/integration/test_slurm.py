@@ -257,10 +257,10 @@ def test_dying_rank_ends_job(job: str, tmp_path: Path) -> None:
 
 
 # Two srun steps of one job at the same time, each one task per node. Steps get whole
-# cores: the job asks for 2 cores per node (--cpus-per-task=2, 2 threads per core) so
-# that two --exact steps of one core per node fit side by side.
+# cores: the job asks for both cores of each node (2 tasks x 1 CPU) so that two --exact
+# steps of one core per node fit side by side.
 STEPS_SCRIPT = """#!/bin/bash
-step() {{ srun --exact -N2 -n2 --ntasks-per-node=1 --cpus-per-task=2 --kill-on-bad-exit=1 \\
+step() {{ srun --exact -N2 -n2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 \\
         {py} {script} {marks} "$@"; }}
 step a b & A=$!
 step b a & B=$!
@@ -277,7 +277,7 @@ def test_concurrent_steps_get_distinct_ports(job: str, tmp_path: Path) -> None:
     marks.mkdir()
     batch = tmp_path / "steps.sh"
     batch.write_text(STEPS_SCRIPT.format(py=PY, script=script("slurm_steps.py"), marks=marks))
-    job_id, code, out = sbatch(["-N2", "--ntasks-per-node=2", "--cpus-per-task=2", str(batch)],
+    job_id, code, out = sbatch(["-N2", "--ntasks-per-node=2", "--cpus-per-task=1", str(batch)],
                                job, tmp_path)
     assert code == 0 and "STEPS a=0 b=0" in out, out
     rows = re.findall(r"STEP name=(\w) step=(\d+) rank=(\d) world=2 master=(\S+) sum=3 "
