@@ -154,7 +154,7 @@ def _guard_single_process(env: Mapping[str, str]) -> None:
     """Refuse rank/size variables that say "several processes" when nothing matched."""
     said = [f"{k}={env[k].strip()}" for k in GUARD_VARIABLES
             if env.get(k, "").strip().isdigit()
-            and int(env[k]) > (1 if k.endswith("SIZE") or k.endswith("NRANKS") else 0)]
+            and int(env[k]) > (1 if k.endswith(("SIZE", "NRANKS")) else 0)]
     if not said:
         return
     launchers = ", ".join(e.name for e in ORDER)

@@ -19,13 +19,16 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import script, slurm_env
-from tests.integration.test_slurm import PY, cluster, job, run, sbatch  # noqa: F401
+from tests.integration import test_slurm
+from tests.integration.test_slurm import PY, run, sbatch
 
 pytestmark = pytest.mark.slurm
+cluster = test_slurm.cluster  # the same fixtures: the cluster is up, jobs get a unique name
+job = test_slurm.job
 
 ENV_ALL = [PY, "-m", "hpc", "env", "--all"]
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(node\d)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\d+)",
-                 re.M)
+                 re.MULTILINE)
 
 # What enroot's 50-slurm-pytorch.sh exports, as a task prolog prints it.
 ENROOT_HOOK = r"""#!/bin/bash
@@ -78,7 +81,8 @@ def test_srun_binds_cpus_and_threads_follow(ntasks: int, cpus: int, job: str,
 
 
 @pytest.mark.timeout(120)
-def test_srun_exact_without_cpus_per_task_inside_sbatch_c2_warns(job: str, tmp_path: Path) -> None:
+def test_srun_exact_without_cpus_per_task_inside_sbatch_c2_warns(job: str,
+                                                                 tmp_path: Path) -> None:
     """Slurm 22.05: srun does not take -c from sbatch (SLURM_CPUS_PER_TASK=2 is only
     inherited); a step of exactly its own request (--exact) is bound to 1 CPU."""
     batch = tmp_path / "c2.sh"
