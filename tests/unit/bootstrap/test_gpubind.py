@@ -133,6 +133,7 @@ def test_init_binds_the_local_ranks_mig_instance(monkeypatch) -> None:
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == _NEW[1]
 
+
 # --- choose_index and AMD's variables (issue 13) --------------------------------------
 
 
