@@ -33,7 +33,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional
 
-__all__ = ["failed", "install", "note_failure", "read_mark", "watch", "write_mark"]
+__all__ = ["GENERIC_MESSAGE", "failed", "install", "note_failure", "read_mark", "watch",
+           "write_mark"]
+
+#: The message of a mark written at exit (any exit: the launcher reads it only for
+#: ranks that failed, or that are still exiting when it chooses the root cause).
+GENERIC_MESSAGE = "exited with a non-zero code"
 
 _INSTALLED: dict[str, bool] = {}
 _FAILED: dict[str, str] = {}
@@ -100,7 +105,7 @@ def install(rank: int, environ: Optional[dict[str, str]] = None) -> None:
     path = Path(directory) / f"{rank}.json"
     previous = sys.excepthook
 
-    def hook(kind: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
             _write(path, "".join(traceback.format_exception_only(kind, exc)).strip())
         except OSError:
@@ -111,7 +116,7 @@ def install(rank: int, environ: Optional[dict[str, str]] = None) -> None:
     # SystemExit(3) never reaches the excepthook and atexit cannot see the exit code:
     # mark the start of every exit; the launcher reads marks of failed ranks only.
     # Registered after the teardown handler, so it runs before the group is destroyed.
-    atexit.register(_write, path, "exited with a non-zero code")
+    atexit.register(_write, path, GENERIC_MESSAGE)
     if not faulthandler.is_enabled():
         try:
             fault = open(Path(directory) / f"{rank}.fault", "w")  # noqa: SIM115

@@ -196,7 +196,8 @@ def test_hpc_run_sigterm_stops_all_ranks(tmp_path: Path) -> None:
     pids = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 143 and "stopped all ranks" in err
+    assert proc.returncode == 143, err
+    assert "all 2 ranks stopped on SIGUSR2 (asked by SIGTERM)" in err, err
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -10,7 +10,7 @@ import pytest
 from hpc.cli.env import find_mismatches
 from hpc.environments import detect
 from hpc.environments.base import DistInfo
-from hpc.launch import loopback_interface, rank_env
+from hpc.launch import loopback_interface, rank_env, resolve_command
 from tests.unit.envdumps import load
 
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -60,3 +60,38 @@ def test_rank_env_inside_slurm_is_not_an_inconsistency() -> None:
     task = load("srun_from_login_env.txt")[1][1]
     info = detect(rank_env(3, 4, 29555, "run1", base=task))
     assert (info.launcher, info.rank, info.world_size) == ("hpc-run", 3, 4)
+
+
+PY = "/venv/bin/python"
+
+
+@pytest.mark.parametrize(("cmd", "argv"), [
+    (["python", "train.py", "--lr", "1"], [PY, "train.py", "--lr", "1"]),
+    (["python3", "-m", "pkg.train"], [PY, "-m", "pkg.train"]),
+    (["train.py", "-x"], [PY, "train.py", "-x"]),
+    (["/usr/bin/python3", "train.py"], ["/usr/bin/python3", "train.py"]),  # the way out
+    (["python3.11", "t.py"], ["python3.11", "t.py"]),
+    (["bash", "-c", "true"], ["bash", "-c", "true"]),
+])
+def test_resolve_command_a_leading_python_is_this_interpreter(cmd: list[str],
+                                                              argv: list[str]) -> None:
+    assert resolve_command(cmd, environ={}, executable=PY) == argv
+
+
+def test_resolve_command_hpc_python_wins() -> None:
+    env = {"HPC_PYTHON": "/other/python"}
+    assert resolve_command(["python", "t.py"], environ=env, executable=PY) == [
+        "/other/python", "t.py"]
+    assert resolve_command(["t.py"], environ=env, executable=PY) == ["/other/python", "t.py"]
+
+
+def test_resolve_command_finds_a_console_script_beside_the_interpreter(tmp_path) -> None:
+    (tmp_path / "hpc-only-here").write_text("#!/bin/sh\n")
+    exe = str(tmp_path / "python")
+    assert resolve_command(["hpc-only-here", "env"], environ={}, executable=exe) == [
+        str(tmp_path / "hpc-only-here"), "env"]
+
+
+def test_rank_env_says_whether_hpc_run_prefixes_lines() -> None:
+    assert rank_env(0, 2, 1, "r", base={}, prefixed=True)["HPC_RUN_PREFIXED"] == "1"
+    assert rank_env(0, 2, 1, "r", base={"HPC_RUN_PREFIXED": "1"})["HPC_RUN_PREFIXED"] == "0"
