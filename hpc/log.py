@@ -2,21 +2,27 @@
 
 Local masters (local rank 0 of each node) log INFO and above to the console; other
 ranks WARNING and above, so a 64-GPU job prints each line once per node and errors from
-every rank. Every line carries a ``[rank r/w host]`` prefix; the global master alone
-writes the optional log file.
+every rank. ``console="global"`` (or ``HPC_LOG_CONSOLE=global``) keeps INFO to the
+global master alone: each line once per job. Every line carries a ``[rank r/w host]``
+prefix, except on the console under ``hpc run``, which prefixes lines itself
+(``HPC_RUN_PREFIXED=1``); the global master alone writes the optional log file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional, Union
 
 from hpc.environments import DistInfo
 
-__all__ = ["setup_logging", "RankFilter"]
+__all__ = ["CONSOLE_CHOICES", "RankFilter", "setup_logging"]
+
+#: Who logs INFO to the console: every node's local master, or the global master only.
+CONSOLE_CHOICES = ("local", "global")
 
 _HANDLERS: list[logging.Handler] = []
 
@@ -33,40 +39,67 @@ class RankFilter(logging.Filter):
         return True
 
 
-def setup_logging(info: Optional[DistInfo] = None, level: int = logging.INFO,
-                  log_file: Optional[Union[str, Path]] = None,
-                  logger_name: str = "") -> logging.Logger:
+def _console_level(info: DistInfo, level: int, console: str | None,
+                   environ: Mapping[str, str]) -> int:
+    """The console level of this rank (``console`` or ``HPC_LOG_CONSOLE``)."""
+    choice = console or environ.get("HPC_LOG_CONSOLE") or "local"
+    if choice not in CONSOLE_CHOICES:
+        raise ValueError(f"console output {choice!r} (HPC_LOG_CONSOLE or console=) is not "
+                         f"one of {', '.join(CONSOLE_CHOICES)}.\nHINT: 'local' logs INFO on "
+                         "each node's local rank 0, 'global' on global rank 0 only.")
+    chief = info.rank == 0 if choice == "global" else info.local_rank == 0
+    return level if chief else max(level, logging.WARNING)
+
+
+def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
+                  log_file: str | Path | None = None,
+                  logger_name: str = "", console: str | None = None,
+                  environ: Mapping[str, str] | None = None) -> logging.Logger:
     """Configure console (and, on the global master, file) logging for this rank.
 
     Args:
         info: The layout (default: :func:`hpc.info`).
-        level: Console level on local masters; other ranks use ``max(level, WARNING)``.
+        level: Console level on the ranks chosen by ``console``; other ranks use
+            ``max(level, WARNING)``.
         log_file: Written by global rank 0 only, at ``level``.
         logger_name: Logger to configure (default: the root logger).
+        console: ``"local"`` (each node's local rank 0, the default) or ``"global"``
+            (global rank 0 only); default ``HPC_LOG_CONSOLE`` or ``"local"``.
+        environ: Variables to read (default ``os.environ``).
 
     Calling it again replaces the handlers it added before.
+
+    Raises:
+        ValueError: ``console`` (or ``HPC_LOG_CONSOLE``) is not in :data:`CONSOLE_CHOICES`.
     """
+    env = os.environ if environ is None else environ
     if info is None:
         from hpc.bootstrap.distributed import info as current
 
         info = current()
+    console_level = _console_level(info, level, console, env)
     root = logging.getLogger(logger_name)
     for h in _HANDLERS:
         root.removeHandler(h)
     _HANDLERS.clear()
     fmt = logging.Formatter("%(asctime)s [%(rankinfo)s] %(levelname)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
+    # hpc run prefixes every line with [rank r] already: one prefix is enough.
+    console_fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                    datefmt="%H:%M:%S") \
+        if env.get("HPC_RUN_PREFIXED") == "1" else fmt
     rank_filter = RankFilter(info)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(level if info.local_rank == 0 else max(level, logging.WARNING))
-    _HANDLERS.append(console)
+    console_handler = logging.StreamHandler(sys.stderr)
+    console_handler.setLevel(console_level)
+    console_handler.setFormatter(console_fmt)
+    _HANDLERS.append(console_handler)
     if log_file is not None and info.rank == 0:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file)
         file_handler.setLevel(level)
+        file_handler.setFormatter(fmt)
         _HANDLERS.append(file_handler)
     for h in _HANDLERS:
-        h.setFormatter(fmt)
         h.addFilter(rank_filter)
         root.addHandler(h)
     root.setLevel(min(level, logging.WARNING))
