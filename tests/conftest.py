@@ -1,10 +1,19 @@
-"""Shared fixtures: launcher variables are cleared for every test and leaks fail it."""
+"""Shared fixtures and hooks.
+
+* Launcher variables and ``HPC_*`` knobs are cleared for every test; a test that leaks
+  launcher variables fails.
+* Under ``HPC_CI=1`` (``.ci/run``) a skipped test FAILS unless it carries the ``cuda``
+  marker: CI must not pass because a dependency (MPI, Slurm, submitit, sklearn...) is
+  missing. Module-level skips at collection fail the same way.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 import os
 import re
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -27,10 +36,21 @@ def _launcher_vars() -> re.Pattern[str]:
 LAUNCHER_VARS = _launcher_vars()
 
 
+#: HPC_* variables that configure the test run itself, not the code under test.
+KEPT_KNOBS = frozenset({"HPC_CI", "HPC_TORCH_SPEC", "HPC_TESTCLUSTER_DIR",
+                        "HPC_WRITE_ENV_FIXTURES", "HPC_DOCS_INTERSPHINX"})
+
+
+def _knob(name: str) -> bool:
+    """An ``HPC_*`` setting a developer may have exported (``HPC_CONNECT_TIMEOUT``,
+    ``HPC_PREEMPT_SIGNAL``, ``HPC_LOG_CONSOLE``...): tests start without it."""
+    return name.startswith("HPC_") and name not in KEPT_KNOBS
+
+
 @pytest.fixture(autouse=True)
 def clean_launcher_env(monkeypatch: pytest.MonkeyPatch):
-    """Clear launcher variables before the test; fail it if it leaks new ones."""
-    for key in [k for k in os.environ if LAUNCHER_VARS.match(k)]:
+    """Clear launcher variables and HPC_* knobs; fail the test if it leaks launcher ones."""
+    for key in [k for k in os.environ if LAUNCHER_VARS.match(k) or _knob(k)]:
         monkeypatch.delenv(key)
     yield
     leaked = sorted(k for k in os.environ if LAUNCHER_VARS.match(k))
@@ -38,3 +58,35 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch):
         for key in leaked:
             del os.environ[key]
         pytest.fail(f"test leaked launcher variables into os.environ: {leaked}")
+
+
+def _ci_failure(report: Any, where: str) -> None:
+    """Turn a skip into a failure that says why (HPC_CI=1)."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = (f"{where} skipped under HPC_CI=1: {reason}\n"
+                       "CI must run every test but the `cuda` ones; install what is missing "
+                       "in .ci/run (or bin/hpc-test's extras) instead of skipping.")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("HPC_CI") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, Any, None]:
+    """Under HPC_CI=1 a skipped test fails, unless it is marked ``cuda``."""
+    outcome = yield
+    report = outcome.get_result()
+    if (_in_ci() and report.skipped and not hasattr(report, "wasxfail")
+            and item.get_closest_marker("cuda") is None):
+        _ci_failure(report, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    """Under HPC_CI=1 a module that skips itself (importorskip) fails collection."""
+    outcome = yield
+    report = outcome.get_result()
+    if _in_ci() and report.skipped:
+        _ci_failure(report, collector.nodeid)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,8 @@ def require(tool: str, what: str) -> str:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without launcher variables (conftest cleared them), plus ``extra``."""
+    """os.environ without launcher variables and HPC_* knobs (conftest cleared them),
+    plus ``extra``."""
     env = dict(os.environ)
     env.setdefault("HPC_CONNECT_TIMEOUT", "30")
     env["PYTHONUNBUFFERED"] = "1"
@@ -41,15 +43,46 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL ``proc``'s whole process group (it was started in a session of its own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def run_group(argv: Sequence[str], *, timeout: float, input: str | None = None,
+              **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True)`` in a session of its own.
+
+    On a timeout the whole process group is killed (a launcher *and* its ranks, which
+    would otherwise sit in a collective for minutes), then TimeoutExpired is raised with
+    the output so far.
+    """
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                            text=True, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    finally:
+        if proc.poll() is None:  # KeyboardInterrupt, pytest-timeout: no orphans
+            kill_group(proc)
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
 def hpc_run(nproc: int, cmd: Sequence[str], *, timeout: float = 120,
-            env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``hpc run --nproc N -- CMD`` as a real subprocess, with a timeout.
 
-    A command starting with a ``.py`` path is run with this interpreter.
+    A command starting with ``python``/``python3`` or a ``.py`` path runs with this
+    interpreter. A timeout kills ``hpc run`` and its ranks (:func:`run_group`).
     """
     argv = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--", *cmd]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env=env or clean_env(), cwd=ROOT)
+    return run_group(argv, timeout=timeout, env=env or clean_env(), cwd=ROOT)
 
 
 def script(name: str) -> str:
@@ -61,7 +94,8 @@ def require_slurm() -> None:
     """Skip (fail in CI) unless the local test cluster answers with two idle nodes."""
     require("sbatch", "Slurm client (bin/hpc-testcluster up installs it)")
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False,
+                             capture_output=True,
                              text=True, timeout=20).stdout
     except subprocess.TimeoutExpired:
         out = ""
@@ -84,7 +118,7 @@ def slurm_env(**extra: str) -> dict[str, str]:
 
 
 def sbatch_wait(args: Sequence[str], workdir: Path, *, timeout: float = 240,
-                env: Optional[dict[str, str]] = None) -> tuple[int, int, str]:
+                env: dict[str, str] | None = None) -> tuple[int, int, str]:
     """``sbatch --wait ARGS`` from ``workdir``; returns (job id, exit code, output file text).
 
     The job's output goes to ``workdir/slurm-<id>.out`` unless ARGS set ``--output``.
@@ -101,7 +135,7 @@ def sbatch_wait(args: Sequence[str], workdir: Path, *, timeout: float = 240,
         out, err = proc.communicate()
         job_id = out.strip().split(";")[0]
         if job_id:
-            subprocess.run(["scancel", job_id], timeout=20)
+            subprocess.run(["scancel", job_id], check=False, timeout=20)
         raise
     job_id = out.strip().split(";")[0].splitlines()[0] if out.strip() else ""
     if not job_id.isdigit():
