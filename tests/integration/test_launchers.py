@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, require, script
+from tests.helpers import ROOT, clean_env, hpc_run, require, run_group, script
 from tests.integration.mpi_env import launcher
 
 DEMO = [sys.executable, "-m", "hpc", "demo"]
@@ -47,8 +47,8 @@ def test_hpc_run_four_ranks() -> None:
 def test_torchrun_two_ranks() -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or require(
         "torchrun", "torchrun (comes with torch)")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "hpc", "demo"],
-                          capture_output=True, text=True, timeout=100, env=clean_env(), cwd=ROOT)
+    proc = run_group([torchrun, "--nproc-per-node", "2", "-m", "hpc", "demo"],
+                     timeout=100, env=clean_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     check_demo(proc.stdout, 2, "torchrun")
 
@@ -59,8 +59,7 @@ def test_torchrun_two_ranks() -> None:
 @pytest.mark.parametrize("kind", ["openmpi", "mpich"])
 def test_mpi_launchers(kind: str, with_mpi4py: bool, tmp_path: Path) -> None:
     prefix, env = launcher(kind, tmp_path, 4, with_mpi4py)
-    proc = subprocess.run([*prefix, *DEMO], capture_output=True, text=True, timeout=100,
-                          env=env, cwd=ROOT)
+    proc = run_group([*prefix, *DEMO], timeout=100, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = check_demo(proc.stdout, 4, kind)
     port = int(rows[0][9].rsplit(":", 1)[1])
@@ -89,8 +88,8 @@ def test_mpirun_rank_failure_stops_job(tmp_path: Path) -> None:
     prefix, env = launcher("openmpi", tmp_path, 4, True)
     env["FAIL_RANK"] = "1"
     start = time.monotonic()
-    proc = subprocess.run([*prefix, sys.executable, script("launch_fail.py")],
-                          capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    proc = run_group([*prefix, sys.executable, script("launch_fail.py")],
+                     timeout=80, env=env, cwd=ROOT)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     assert "rank 1 failing on purpose" in proc.stdout
@@ -99,8 +98,7 @@ def test_mpirun_rank_failure_stops_job(tmp_path: Path) -> None:
 
 def _single(env_extra: dict[str, str], timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
-    proc = subprocess.run(DEMO, capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(**env_extra), cwd=ROOT)
+    proc = run_group(DEMO, timeout=timeout, env=clean_env(**env_extra), cwd=ROOT)
     return proc, time.monotonic() - start
 
 
@@ -170,8 +168,8 @@ def test_bin_mpirun_wrapper_with_hostfile(kind: str, tmp_path: Path) -> None:
     hostfile.write_text("# bare cluster\nlocalhost slots=2\n")
     port = free_port()
     env.update(HPC_MPIRUN=prefix[0], HPC_MASTER_PORT=str(port))
-    proc = subprocess.run([str(ROOT / "bin" / "hpc-mpirun"), str(hostfile), "2", *DEMO],
-                          capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
+    proc = run_group([str(ROOT / "bin" / "hpc-mpirun"), str(hostfile), "2", *DEMO],
+                     timeout=100, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = check_demo(proc.stdout, 2, kind)
     assert {m[9] for m in rows} == {f"localhost:{port}"}
