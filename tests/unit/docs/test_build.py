@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,7 @@ def test_doctests_pass(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"sphinx doctest failed:\n{proc.stderr}\n{proc.stdout}"
     report = (tmp_path / "doctest" / "output.txt").read_text()
     assert " 0 failures in tests" in report, report
+    # Zero doctests run would also report 0 failures: every {doctest} block must count.
+    blocks = sum(page.read_text().count("```{doctest}") for page in DOCS.rglob("*.md"))
+    ran = re.search(r"^\s*(\d+) tests?$", report, re.M)
+    assert blocks >= 3 and ran and int(ran.group(1)) >= blocks, (blocks, report)

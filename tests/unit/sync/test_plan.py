@@ -82,11 +82,18 @@ def test_arena_reuses_a_buffer_only_when_its_views_are_gone() -> None:
     arena.end_step()
     b = arena.take(torch.device("cpu"), torch.float32, 10, 16)
     assert b.data_ptr() != a.data_ptr()       # a still referenced through `grad`
+    old = {a.data_ptr(), b.data_ptr()}
     del a, grad, b
     arena.end_step()
     c = arena.take(torch.device("cpu"), torch.float32, 12, 16)
     d = arena.take(torch.device("cpu"), torch.float32, 12, 16)
     assert c.data_ptr() != d.data_ptr()       # never the same buffer twice in a step
+    # ...and both are the old buffers, which the arena still holds (so no fresh
+    # allocation could land at their addresses): reuse turned off fails here.
+    assert {c.data_ptr(), d.data_ptr()} == old
+    arena.end_step()
+    e = arena.take(torch.device("cpu"), torch.float32, 20, 16)  # larger than both: new
+    assert e.data_ptr() not in old
 
 
 def test_mismatch_message_names_first_difference_and_ranks() -> None:
