@@ -79,7 +79,7 @@ def test_missing_module_names_the_interpreter_and_the_fix() -> None:
 
 
 def test_usr2_is_relayed_and_a_guarded_script_exits_0(tmp_path: Path) -> None:
-    proc, pids = _start(tmp_path, "python", script("run_signals.py"), str(tmp_path), "guard")
+    proc, _ = _start(tmp_path, "python", script("run_signals.py"), str(tmp_path), "guard")
     os.kill(proc.pid, signal.SIGUSR2)
     out, err = _finish(proc)
     assert proc.returncode == 0, err
@@ -94,7 +94,7 @@ def test_one_ctrl_c_is_graceful_a_second_stops_now(tmp_path: Path) -> None:
     time.sleep(0.5)
     assert proc.poll() is None, "one Ctrl-C must only ask the ranks to stop"
     os.kill(proc.pid, signal.SIGINT)
-    out, err = _finish(proc)
+    _, err = _finish(proc)
     assert proc.returncode == 130, err
     assert ("hpc run: got SIGINT: asking all 2 ranks to stop at the next step (SIGUSR2); "
             "SIGINT again stops them now") in err
