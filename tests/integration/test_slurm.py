@@ -32,7 +32,6 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -65,7 +64,7 @@ def job() -> Iterator[str]:
     """A unique job name; jobs still running under it are cancelled after the test."""
     name = f"hpct-{uuid.uuid4().hex[:8]}"
     yield name
-    subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=30)
+    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
 
 
 def step_port(job_id: int, step: int) -> int:
@@ -89,11 +88,11 @@ def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
     """``srun``/``salloc`` ARGV with our job name and time limit, from ``tmp``."""
     require(argv[0], "Slurm client")
     full = [argv[0], f"--job-name={name}", LIMIT, *argv[1:]]
-    return subprocess.run(full, cwd=tmp, env=env, capture_output=True, text=True,
+    return subprocess.run(full, check=False, cwd=tmp, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
-def sbatch(args: Sequence[str], name: str, tmp: Path, env: Optional[dict[str, str]] = None,
+def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None = None,
            timeout: float = 100) -> tuple[int, int, str]:
     """``sbatch --wait`` with our name, time limit, and output in ``tmp``."""
     return sbatch_wait([f"--job-name={name}", LIMIT, f"--chdir={tmp}",
@@ -110,7 +109,7 @@ def accounted(*select: str) -> dict[str, tuple[str, str]]:
     while True:
         out = subprocess.run(["sacct", "-n", "-P", "-S", "now-1hours",
                               "-o", "JobID,State,ExitCode", *select],
-                             capture_output=True, text=True, timeout=20).stdout
+                             check=False, capture_output=True, text=True, timeout=20).stdout
         rows = {r[0]: (r[1], r[2]) for r in (line.split("|") for line in out.splitlines()
                                              if line.strip())}
         if (sum("." not in k for k in rows) == 1
@@ -168,6 +167,26 @@ def test_template_runs_demo(case: str, job: str, tmp_path: Path) -> None:
         assert master_port(rows) == step_port(job_id, 0)
     if case == "torchrun":  # the template's rendezvous, and the agents' store as master
         assert f"rendezvous node1:{step_port(job_id, 63)}" in out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("template", ["pretrain.sbatch", "torchrun.sbatch"])
+def test_template_leading_python_is_hpc_python(template: str, job: str,
+                                               tmp_path: Path) -> None:
+    """`sbatch slurm/X.sbatch python -m hpc demo` as the headers advertise, with another
+    `python` first on PATH: HPC_PYTHON runs it. Also: no c10d "hostname of the client
+    socket" warning (bin/hpc-testcluster's /etc/hosts maps the IPv4-mapped addresses)."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text("#!/bin/sh\necho 'the python on PATH ran' >&2; exit 7\n")
+    (shim / "python").chmod(0o755)
+    env = slurm_env(HPC_PYTHON=PY)
+    env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
+    _, code, out = sbatch([str(ROOT / "slurm" / template), "python", "-m", "hpc",
+                           "demo"], job, tmp_path, env)
+    assert code == 0 and "the python on PATH ran" not in out, out
+    check_layout(out, "slurm" if template == "pretrain.sbatch" else "torchrun")
+    assert "hostname of the client socket cannot be retrieved" not in out, out
 
 
 # --- srun, salloc + MPI, srun direct MPI launch ----------------------------------------
