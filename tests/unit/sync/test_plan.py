@@ -26,7 +26,7 @@ F64 = (torch.device("cpu"), torch.float64)
 
 
 def _plan(users: list[list[int]], numels: list[int], rank: int = 0, bucket: int = 1 << 20,
-          keys: list = None, layout=None):
+          keys: list | None = None, layout=None):
     n = len(numels)
     keys = keys or [F32] * n
     sizes = [8 if k == F64 else 4 for k in keys]
