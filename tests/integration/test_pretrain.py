@@ -7,6 +7,7 @@ accuracy test, which runs the default configuration.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -230,3 +231,35 @@ def test_readme_main_command_reaches_its_stated_accuracy(tmp_path: Path) -> None
     assert res["val_acc_mean"] >= mean - 0.02, (res, mean)
     assert {"metrics.csv", "metrics.png", "config.json", "pretrain.log", "result.json",
             "checkpoints"} <= {p.name for p in out.iterdir()}
+
+
+@pytest.mark.timeout(150)
+def test_usr2_to_hpc_run_stops_pretrain_with_a_checkpoint(tmp_path: Path) -> None:
+    """`kill -USR2 <hpc run>`: relayed to the ranks, an agreed stop, exit 0, resumable."""
+    import signal
+
+    from tests.helpers import kill_group
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "hpc", "run", "--nproc", "2", "--", "hpc", "pretrain",
+            *TINY[2:], "--epochs", "40", "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if SUMMARY.search(line):  # epoch 1 done: training is under way
+                os.kill(proc.pid, signal.SIGUSR2)
+                break
+        lines += proc.stderr.readlines()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    err = "".join(lines)
+    assert proc.returncode == 0, err
+    res = result(out)
+    assert res["status"] == "stopped" and 11 <= res["step"] < 440, res
+    assert "Not a Slurm job, nothing to requeue: rerun the same command to resume." in err
+    assert (out / "checkpoints" / f"ckpt-{res['step']:08d}.pt").exists()
