@@ -8,7 +8,7 @@ It never imports torch, so ranks start without waiting for it.
 Signals: the preemption signal (``USR2``, or ``HPC_PREEMPT_SIGNAL``), ``TERM`` and a
 first Ctrl-C are relayed to every rank as the preemption signal, so ``hpc pretrain`` and
 scripts with a :class:`hpc.submit.preempt.PreemptGuard` stop at an agreed step with a
-checkpoint; a second ``TERM`` or Ctrl-C stops the ranks at once. Ranks run in sessions
+checkpoint; a second ``TERM`` or Ctrl-C kills the ranks at once. Ranks run in sessions
 of their own (a terminal's Ctrl-C reaches ``hpc run`` only) and, on Linux, die with
 ``hpc run`` (``PR_SET_PDEATHSIG``) even when it is killed with ``SIGKILL``.
 """
@@ -279,7 +279,9 @@ class _Job:
                 continue
             if self._failure(seen[-1]):
                 break
-        if self.hard is not None:
+        if self.hard is not None:  # SIGKILL: TERM may itself mean "stop gracefully" now
+            for p in self.procs:
+                _signal_group(p, signal.SIGKILL)
             self.stop()
             _say(f"got {signal.Signals(self.hard).name} again: stopped all "
                  f"{len(self.procs)} ranks")

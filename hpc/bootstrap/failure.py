@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["GENERIC_MESSAGE", "failed", "install", "note_failure", "read_mark", "watch",
            "write_mark"]
@@ -126,7 +126,7 @@ def install(rank: int, environ: Optional[dict[str, str]] = None) -> None:
         faulthandler.enable(file=fault, all_threads=True)
 
 
-def read_mark(directory: str, rank: int) -> Optional[tuple[float, str]]:
+def read_mark(directory: str, rank: int) -> tuple[float, str] | None:
     """``(time, message)`` of ``rank``'s failure mark, if it wrote one: the JSON mark,
     else a non-empty faulthandler file (a fatal signal such as NCCL's SIGABRT)."""
     try:
