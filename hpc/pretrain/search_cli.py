@@ -12,16 +12,15 @@ stopped at a checkpoint, 1 on a run/checkpoint/constraint error, 2 on invalid ar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
-import typing
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from hpc.pretrain._stage_cli import add_fields, run_stage
 from hpc.pretrain.search_config import SearchConfig
 
-__all__ = ["add_fields", "add_parser", "main"]
+__all__ = ["add_parser", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +48,6 @@ HELP = {
 }
 
 
-def add_fields(p: argparse.ArgumentParser, cls: Any, helps: dict[str, str]) -> None:
-    """One ``--flag`` per field named in ``helps``: the field's type and default."""
-    defaults, types = cls(), typing.get_type_hints(cls)
-    for name, text in helps.items():
-        kind = types[name]
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        kind = args[0] if args else kind
-        default = getattr(defaults, name)
-        metavar = name.split("_")[-1].upper() if kind is str else None
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
-                       metavar=metavar, help=f"{text} (default {default})")
-
-
 def _build(p: argparse.ArgumentParser) -> None:
     add_fields(p, SearchConfig, HELP)
     p.add_argument("--no-resume", dest="resume", action="store_const", const="never",
@@ -72,42 +58,13 @@ def _build(p: argparse.ArgumentParser) -> None:
                    help="console level on local masters (default INFO)")
 
 
-def _config(args: argparse.Namespace, cls: Any) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc search`` with parsed ``args``; return the exit status."""
-    from hpc.errors import HPCError
-    from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
-
-    try:  # first: the warning signal must not kill a rank that is still importing torch
-        guard = PreemptGuard().install()
-    except HPCError as e:
-        print(f"hpc search: {e}", file=sys.stderr)
-        return 2
-    cfg = _config(args, SearchConfig)
-    try:
-        cfg.validate()
-    except ValueError as e:
-        print(f"hpc search: {e}", file=sys.stderr)
-        return 2
-    import hpc
     from hpc.pretrain.search import search
 
-    info = hpc.init_torch(seed=cfg.seed)
-    hpc.setup_logging(info, level=getattr(logging, args.log_level),
-                      log_file=cfg.out_dir / "search.log")
-    try:
-        result = search(cfg, stop_requested=guard)
-    except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
-        logger.error("%s", e)
-        return 1
-    if stopped_by_request(result.status, result.generations, cfg.max_generations):
-        return requeue_after_stop(result.generations, result.out, rank=info.rank,
-                                  signame=guard.signal_name).exit_code
-    return 0
+    return run_stage("search", SearchConfig, args, search, "search.log",
+                     lambda result, cfg: (result.generations, cfg.max_generations,
+                                          result.out))
 
 
 def add_parser(sub: Any) -> None:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from hpc.pretrain.search_cli import add_fields
+from hpc.pretrain._stage_cli import add_fields, run_stage
 from hpc.pretrain.search_config import TuneConfig
 
 __all__ = ["add_parser", "main"]
@@ -63,36 +63,10 @@ def _build(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc tune`` with parsed ``args``; return the exit status."""
-    from hpc.errors import HPCError
-    from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
-
-    try:  # first: the warning signal must not kill a rank that is still importing torch
-        guard = PreemptGuard().install()
-    except HPCError as e:
-        print(f"hpc tune: {e}", file=sys.stderr)
-        return 2
-    names = TuneConfig.__dataclass_fields__
-    cfg = TuneConfig(**{k: v for k, v in vars(args).items() if k in names})
-    try:
-        cfg.validate()
-    except ValueError as e:
-        print(f"hpc tune: {e}", file=sys.stderr)
-        return 2
-    import hpc
     from hpc.pretrain.tune import tune
 
-    info = hpc.init_torch(seed=cfg.seed)
-    hpc.setup_logging(info, level=getattr(logging, args.log_level),
-                      log_file=cfg.out_dir / "tune.log")
-    try:
-        result = tune(cfg, stop_requested=guard)
-    except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
-        logger.error("%s", e)
-        return 1
-    if stopped_by_request(result.status, result.step, cfg.max_steps):
-        return requeue_after_stop(result.step, result.checkpoint, rank=info.rank,
-                                  signame=guard.signal_name).exit_code
-    return 0
+    return run_stage("tune", TuneConfig, args, tune, "tune.log",
+                     lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint))
 
 
 def add_parser(sub: Any) -> None:
