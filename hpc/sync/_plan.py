@@ -5,6 +5,8 @@
   the same gathered usage, so the collectives line up.
 * :class:`Arena` owns the flat buffers the synced gradients are views of, and reuses one
   once no gradient view of it is alive any more.
+* :func:`trainable`, :func:`reachable_leaves` and :func:`dense_layout` read what the
+  plan needs from the model, the loss and a gradient's layout.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from hpc.sync._collective import BucketKind
 
-__all__ = ["Bucket", "make_plan", "Arena"]
+__all__ = ["Bucket", "make_plan", "Arena", "trainable", "reachable_leaves", "dense_layout"]
 
 #: (device, dtype) of a parameter: tensors of one key share a flat buffer.
 Key = tuple[torch.device, torch.dtype]
@@ -158,3 +160,49 @@ class Arena:
     def end_step(self) -> None:
         """Buffers handed out this step may be reused once their views are gone."""
         self._taken.clear()
+
+
+# -- what the plan reads from the model and the loss --------------------------
+
+
+def trainable(module_or_params: Any) -> list[tuple[str, torch.Tensor]]:
+    """Trainable parameters in ``parameters()`` order, without duplicates (as DDP)."""
+    if isinstance(module_or_params, torch.nn.Module):
+        return [(n, p) for n, p in module_or_params.named_parameters() if p.requires_grad]
+    seen: set[int] = set()
+    out = []
+    for i, p in enumerate(module_or_params):
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            out.append((f"param[{i}]", p))
+    return out
+
+
+def reachable_leaves(loss: Any) -> set[int]:
+    """ids of the leaf tensors ``loss.backward()`` will accumulate into."""
+    out: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad
+        if var is not None:
+            out.add(id(var))
+        else:
+            stack.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+def dense_layout(t: Any) -> bool:
+    """True when ``t``'s elements fill exactly ``numel`` consecutive slots in some
+    dimension order (contiguous, channels_last, any permutation), with no overlap."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -47,7 +47,14 @@ from hpc.sync._collective import (
     comm_device,
     start_bucket,
 )
-from hpc.sync._plan import Arena, Bucket, make_plan
+from hpc.sync._plan import (
+    Arena,
+    Bucket,
+    dense_layout,
+    make_plan,
+    reachable_leaves,
+    trainable,
+)
 
 __all__ = ["sync_gradients", "GradSync"]
 
@@ -57,37 +64,6 @@ logger = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 ModuleOrParams = Union[torch.nn.Module, Iterable[torch.Tensor]]
-
-
-def _named(module_or_params: ModuleOrParams) -> list[tuple[str, torch.Tensor]]:
-    """Trainable parameters in ``parameters()`` order, without duplicates (as DDP)."""
-    if isinstance(module_or_params, torch.nn.Module):
-        return [(n, p) for n, p in module_or_params.named_parameters() if p.requires_grad]
-    seen: set[int] = set()
-    out = []
-    for i, p in enumerate(module_or_params):
-        if id(p) not in seen and p.requires_grad:
-            seen.add(id(p))
-            out.append((f"param[{i}]", p))
-    return out
-
-
-def _reachable(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors ``loss.backward()`` will accumulate into."""
-    out: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)  # AccumulateGrad
-        if var is not None:
-            out.add(id(var))
-        else:
-            stack.extend(f for f, _ in fn.next_functions)
-    return out
 
 
 @dataclass
@@ -136,7 +112,7 @@ class GradSync:
                  bucket_bytes: int = GRAD_BUCKET_BYTES,
                  overlap_bucket_bytes: int = GRAD_OVERLAP_BUCKET_BYTES,
                  match_ddp: bool = False, group: Optional[Any] = None) -> None:
-        self.named = _named(module_or_params)
+        self.named = trainable(module_or_params)
         self.params = [p for _, p in self.named]
         self.bucket_bytes = bucket_bytes
         self.overlap_bucket_bytes = overlap_bucket_bytes
@@ -150,7 +126,7 @@ class GradSync:
         self._itemsizes = [p.element_size() for p in self.params]
         #: Strides of a dense non-contiguous parameter (channels_last), else None: its
         #: synced gradient keeps that layout, as DDP's bucket views do.
-        self._strides = [None if p.is_contiguous() or not _dense(p) else p.stride()
+        self._strides = [None if p.is_contiguous() or not dense_layout(p) else p.stride()
                          for p in self.params]
         self._arena = Arena()
         self._checked = False
@@ -200,7 +176,7 @@ class GradSync:
     # ------------------------------------------------------------------ steps
     def _local_mask(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
         """uint8 per parameter: 1 where this rank has (or backward will give) a grad."""
-        reach = _reachable(loss) if loss is not None else set()
+        reach = reachable_leaves(loss) if loss is not None else set()
         flags = []
         for i, p in enumerate(self.params):
             g = p.grad
@@ -383,18 +359,6 @@ class GradSync:
                 self.params, limits, [False] * len(self.params))
             self._ddp_buckets = [list(b) for b in reversed(indices)]
         return self._ddp_buckets
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """True when ``t``'s elements fill exactly ``numel`` consecutive slots in some
-    dimension order (contiguous, channels_last, any permutation), with no overlap."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
