@@ -16,14 +16,18 @@ def test_logging_and_master_only(tmp_path) -> None:
     proc = hpc_run(3, [script("log_roles.py"), str(log_file)], timeout=100)
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.splitlines()
-    # INFO only from the local master (all ranks share this node), WARNING from all.
+    # INFO only from the local master (all ranks share this node), WARNING from all; on
+    # the console under hpc run each line carries hpc run's [rank r] prefix only.
     infos = [line for line in err if "INFO roles: info line" in line]
-    assert len(infos) == 1 and "[rank 0/3 " in infos[0]
+    assert len(infos) == 1 and infos[0].startswith("[rank 0] ")
+    assert all(line.count("[rank ") == 1 for line in infos)
     warns = [line for line in err if "WARNING roles: warning line" in line]
-    assert sorted(line.split("[rank ")[2][0] for line in warns) == ["0", "1", "2"]
+    assert sorted(line.split("]")[0] for line in warns) == ["[rank 0", "[rank 1", "[rank 2"]
+    assert all(line.count("[rank ") == 1 for line in warns)
     # The file belongs to the global master: its own lines only.
     text = log_file.read_text()
     assert "info line from rank 0" in text and "rank 1" not in text and "rank 2" not in text
+    assert "[rank 0/3 " in text  # the file keeps the full [rank r/w host] prefix
     assert (tmp_path / "run.log.marker").read_text() == "0\n"
     results = sorted(line.split("MARKER ")[1] for line in proc.stdout.splitlines() if "MARKER" in line)
     assert results == ["rank=0 result=written", "rank=1 result=None", "rank=2 result=None"]
