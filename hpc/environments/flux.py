@@ -64,8 +64,7 @@ class FluxEnvironment(TableEnvironment):
                 "HINT: use a task count that is a multiple of the node count "
                 "(flux run -N2 --tasks-per-node=4 ...).",
             )
-        env = dict(environ, FLUX_JOB_SIZE=str(world))
-        info = super().read(env)
+        info = super().read(environ)
         return info.replace(local_world_size=per_node, num_nodes=nodes, warnings=warnings,
                             node_rank=min(info.rank // per_node, nodes - 1))
 
