@@ -46,6 +46,17 @@ __all__ = ["PretrainJob", "ModuleJob", "FunctionJob", "resolve_function"]
 logger = logging.getLogger(__name__)
 
 
+def _submitit_logs_once() -> None:
+    """Keep submitit's log lines on its own handler only.
+
+    submitit's logger has a stdout handler of its own and propagates to the root logger:
+    once the target calls :func:`hpc.setup_logging` (or ``logging.basicConfig``), its
+    start and completion lines came out twice, once in each format, and ``hpc submit
+    --wait`` showed both. Called before any target code runs.
+    """
+    logging.getLogger("submitit").propagate = False
+
+
 class _Requeueable(Checkpointable):
     """``checkpoint()`` resubmits :meth:`resumed` while the requeue budget lasts."""
 
@@ -94,6 +105,7 @@ class PretrainJob(_Requeueable):
         return PretrainJob(dataclasses.replace(self.config, resume="auto"), self.log_level)
 
     def __call__(self) -> Any:
+        _submitit_logs_once()
         guard = PreemptGuard().install()  # before torch: replaces submitit's handler
         import hpc
         from hpc.pretrain.loop import pretrain
@@ -102,7 +114,6 @@ class PretrainJob(_Requeueable):
         info = hpc.init_torch(seed=cfg.seed)
         hpc.setup_logging(info, level=getattr(logging, self.log_level),
                           log_file=Path(cfg.out) / "pretrain.log")
-        logging.getLogger("submitit").propagate = False  # it has its own handler
         result = pretrain(cfg, stop_requested=guard)
         if not stopped_by_request(result.status, result.step, cfg.max_steps):
             return result
@@ -113,6 +124,12 @@ class PretrainJob(_Requeueable):
             sys.exit(EXIT_REQUEUED)  # SystemExit: submitit writes no result; the job reruns
         if outcome.kind == "not-slurm":
             return result
+        # Every rank agreed on this end (budget used up, requeue failed): close the group
+        # now. Raised with the group open, the failure teardown aborts it, gloo then
+        # SIGABRTs the rank, srun kills its peers and the job ended FAILED 15:0, not 1.
+        from hpc.bootstrap.distributed import teardown
+
+        teardown()
         raise SubmitError(outcome.message)
 
     def _write_resubmission(self) -> None:
@@ -150,6 +167,7 @@ class ModuleJob(_Requeueable):
         self.module, self.args = module, list(args)
 
     def __call__(self) -> int:
+        _submitit_logs_once()
         sys.argv = [self.module, *self.args]
         try:
             runpy.run_module(self.module, run_name="__main__", alter_sys=True)
@@ -179,4 +197,5 @@ class FunctionJob(_Requeueable):
         resolve_function(spec)  # fail at submission, not on the nodes
 
     def __call__(self) -> Any:
+        _submitit_logs_once()
         return resolve_function(self.spec)(*self.args)
