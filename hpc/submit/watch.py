@@ -145,7 +145,7 @@ def wait(job_id: str, timeout: Optional[float] = None, poll: float = 2.0,
     while True:
         runs = history(job_id)
         run = runs[-1] if runs else Run(str(job_id), "PENDING", "", "", "", "")
-        key = (len(runs), run.state)
+        key = (max(len(runs), 1), run.state)  # not listed yet = the first run PENDING
         if on_poll is not None:
             on_poll(runs, run, key != seen)
         seen = key
