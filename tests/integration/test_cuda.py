@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, script
+from tests.helpers import ROOT, clean_env, hpc_run, run_group, script
 
 torch = pytest.importorskip("torch")
 
@@ -99,8 +99,7 @@ def test_two_ranks_on_one_gpu_fail_fast_with_hint() -> None:
 
 @pytest.mark.timeout(60)
 def test_env_lists_the_gpu() -> None:
-    proc = subprocess.run([sys.executable, "-m", "hpc", "env"], capture_output=True,
-                          text=True, timeout=50, env=_env(), cwd=ROOT)
+    proc = run_group([sys.executable, "-m", "hpc", "env"], timeout=50, env=_env(), cwd=ROOT)
     out = _ok(proc)
     cuda = [line for line in out.splitlines() if line.startswith("cuda=")]
     assert len(cuda) == 1, out

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, script
+from tests.helpers import ROOT, clean_env, hpc_run, run_group, script
 
 
 @pytest.mark.timeout(120)
@@ -29,7 +28,8 @@ def test_logging_and_master_only(tmp_path) -> None:
     assert "info line from rank 0" in text and "rank 1" not in text and "rank 2" not in text
     assert "[rank 0/3 " in text  # the file keeps the full [rank r/w host] prefix
     assert (tmp_path / "run.log.marker").read_text() == "0\n"
-    results = sorted(line.split("MARKER ")[1] for line in proc.stdout.splitlines() if "MARKER" in line)
+    results = sorted(line.split("MARKER ")[1] for line in proc.stdout.splitlines()
+                     if "MARKER" in line)
     assert results == ["rank=0 result=written", "rank=1 result=None", "rank=2 result=None"]
 
 
@@ -48,6 +48,5 @@ def test_import_has_no_side_effects() -> None:
             "assert not logging.getLogger().handlers, 'hpc added handlers'; "
             "import hpc.environments, hpc.launch, hpc.cli.main; "
             "assert 'torch' not in sys.modules; print('clean')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=clean_env(), cwd=ROOT)
+    proc = run_group([sys.executable, "-c", code], timeout=60, env=clean_env(), cwd=ROOT)
     assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr

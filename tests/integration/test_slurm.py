@@ -37,7 +37,7 @@ import pytest
 
 from hpc.environments import detect
 from hpc.environments.base import derive_port
-from tests.helpers import ROOT, require, require_slurm, sbatch_wait, script, slurm_env
+from tests.helpers import ROOT, require, require_slurm, run_group, sbatch_wait, script, slurm_env
 from tests.integration.mpi_env import launcher, no_mpi4py
 from tests.integration.test_launchers import check_demo
 from tests.unit.envdumps import parse_dump, parse_header
@@ -88,8 +88,7 @@ def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
     """``srun``/``salloc`` ARGV with our job name and time limit, from ``tmp``."""
     require(argv[0], "Slurm client")
     full = [argv[0], f"--job-name={name}", LIMIT, *argv[1:]]
-    return subprocess.run(full, check=False, cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_group(full, timeout=timeout, cwd=tmp, env=env)
 
 
 def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None = None,

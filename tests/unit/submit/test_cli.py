@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from hpc.errors import SubmitError
 from hpc.submit.cli import _build, _options, main, split_target
 from hpc.submit.options import SubmitOptions
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_group
 
 
 @pytest.mark.parametrize("cmd, expected", [
@@ -32,9 +31,8 @@ def test_split_target_rejects_the_unknown_listing_forms() -> None:
 
 
 def test_cli_rejects_unknown_options_listing_valid_ones() -> None:
-    proc = subprocess.run([sys.executable, "-m", "hpc", "submit", "--nodez", "2"],
-                          check=False, capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
+    proc = run_group([sys.executable, "-m", "hpc", "submit", "--nodez", "2"], timeout=60,
+                     cwd=ROOT)
     assert proc.returncode == 2
     assert "--nodez -> --nodes?" in proc.stderr and "--gpus-per-node" in proc.stderr
 
@@ -43,8 +41,7 @@ def test_cli_modules_import_neither_torch_nor_submitit() -> None:
     code = ("import sys, hpc.cli.main; hpc.cli.main.build_parser();"
             "import hpc.submit, hpc.submit.cli, hpc.submit.watch;"
             "print(sorted(m for m in ('torch', 'submitit') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                         text=True, timeout=60, cwd=ROOT).stdout.strip()
+    out = run_group([sys.executable, "-c", code], timeout=60, cwd=ROOT).stdout.strip()
     assert out == "[]"
 
 
@@ -55,8 +52,7 @@ def test_main_takes_argv_and_returns_the_exit_status(capsys: pytest.CaptureFixtu
 
 def test_executor_does_not_import_the_cli() -> None:
     code = "import sys, hpc.submit.executor; print('hpc.submit.cli' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                         text=True, timeout=60, cwd=ROOT).stdout.strip()
+    out = run_group([sys.executable, "-c", code], timeout=60, cwd=ROOT).stdout.strip()
     assert out == "False"
 
 
