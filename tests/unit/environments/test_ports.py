@@ -24,7 +24,8 @@ def test_derive_port_range_and_distinctness() -> None:
 
 def test_derive_port_is_stable_and_takes_strings() -> None:
     assert derive_port(30, 0) == derive_port("30", "0") == 15000 + 30 * 64
-    assert derive_port("mpi", "1138622465") == derive_port("mpi", "1138622465")
+    assert derive_port("mpi", "1138622465") == 16369  # pinned: no per-process hash()
+    assert derive_port("job-a", "x") == 20968
     assert PORT_BASE <= derive_port("mpi", "1138622465") < PORT_BASE + PORT_SPAN
     assert derive_port("mpi", 1) != derive_port("mpi", 2)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,35 @@ from hpc.pretrain.space import (  # noqa: E402
 )
 
 
+#: Pinned values (torch 2.13's CPU generator): the same in every process, whatever its
+#: PYTHONHASHSEED (see test_draws_do_not_depend_on_the_hash_seed).
+DERIVED_0_1_2 = 4529435921577843265
+FIRST_DRAWS = [(0, 3, 2, 3), (3, 0, 3, 2), (0, 1, 2, 2), (0, 1, 2, 1), (0, 0, 0, 1), (1, 1, 2, 1)]
+
+#: What another process prints: the seed, sub-network draws and first proposals.
+_PROBE = """
+from hpc.pretrain.space import Supernet, arch_generator, derive_seed
+from tests.unit.pretrain.test_search import _propose
+print(derive_seed(0, 1, 2))
+print([Supernet(width=8).sample(arch_generator(0, r, s)) for r in range(2) for s in range(3)])
+print(_propose(Supernet(width=4), 0))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_draws_do_not_depend_on_the_hash_seed() -> None:
+    """Ranks are separate processes with their own PYTHONHASHSEED: they must agree."""
+    from tests.helpers import ROOT, clean_env, run_group
+    from tests.unit.pretrain.test_search import FIRST_PROPOSALS
+
+    want = [str(DERIVED_0_1_2), str(FIRST_DRAWS), str(FIRST_PROPOSALS)]
+    for seed in ("1", "2"):
+        proc = run_group([sys.executable, "-c", _PROBE], timeout=100, cwd=ROOT,
+                         env=clean_env(PYTHONHASHSEED=seed, PYTHONPATH=str(ROOT)))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split("\n")[:3] == want, (seed, proc.stdout)
+
+
 def test_arch_draws_are_a_pure_function_of_seed_rank_step() -> None:
     net = Supernet(width=8)
     draws = {(r, s): net.sample(arch_generator(0, r, s)) for r in range(4) for s in range(50)}
@@ -29,7 +59,9 @@ def test_arch_draws_are_a_pure_function_of_seed_rank_step() -> None:
     assert len(set(draws.values())) > 100  # ranks and steps draw different sub-networks
     assert net.sample(arch_generator(1, 0, 0)) != net.sample(arch_generator(0, 0, 0)) or \
         net.sample(arch_generator(1, 0, 1)) != net.sample(arch_generator(0, 0, 1))
-    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(0, 2, 1)
+    assert derive_seed(0, 1, 2) == DERIVED_0_1_2 != derive_seed(0, 2, 1)
+    assert [Supernet(width=8).sample(arch_generator(0, r, s)) for r in range(2)
+            for s in range(3)] == FIRST_DRAWS
     assert 0 <= derive_seed(2**40, -1, 7) < 2**63
 
 
