@@ -186,6 +186,30 @@ def test_usr2_checkpoints_requeues_and_resumes_exactly(reference: Any, tmp_path:
     assert "DUE TO JOB REQUEUE" in log  # the log was appended to, not truncated
     assert_each_step_once(out)
     assert_same_final_weights(out, reference[0])
+    assert_sacct_as_documented(job.job_id)
+
+
+def documented_sacct() -> tuple[str, list[str]]:
+    """docs/submit.md's observed ``sacct -j ID -D`` sample: (its job id, its rows)."""
+    text = (ROOT / "docs" / "submit.md").read_text()
+    m = re.search(r"^\$ sacct -j (\d+) -D -P -o JobID,State,ExitCode\n(.*?)^```", text,
+                  re.MULTILINE | re.DOTALL)
+    assert m, "docs/submit.md lost its observed sacct sample"
+    return m.group(1), m.group(2).splitlines()
+
+
+def assert_sacct_as_documented(job_id: str) -> None:
+    """The job's runs and steps are what docs/submit.md shows (job id aside)."""
+    doc_id, rows = documented_sacct()
+    expected = [re.sub(rf"^{doc_id}(?=[.|])", job_id, r) for r in rows]
+    cmd = ["sacct", "-j", job_id, "-D", "-P", "-o", "JobID,State,ExitCode"]
+    for _ in range(15):  # slurmdbd records the last steps a little after the job ends
+        real = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()
+        if real == expected:
+            return
+        time.sleep(1)
+    assert real == expected, f"docs/submit.md shows {rows}, sacct printed {real}"
 
 
 @pytest.mark.timeout(330)
