@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import runpy
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,6 +131,11 @@ class PretrainJob(_Requeueable):
         from hpc.bootstrap.distributed import teardown
 
         teardown()
+        # Once the first rank exits 1, srun (--kill-on-bad-exit) TERMs the others; Python
+        # restores SIG_DFL for its own handlers at shutdown, so a peer still exiting died
+        # 'Terminated' and the job ended 15:0. Ignored, the TERM cannot; srun's SIGKILL
+        # still follows for a rank that does not end.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SubmitError(outcome.message)
 
     def _write_resubmission(self) -> None:
