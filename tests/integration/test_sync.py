@@ -77,3 +77,9 @@ def test_unequal_models_fail_fast_with_clear_error(what: str, nproc: int) -> Non
     assert f"rank {odd}: '2.weight' shape (17, 16) float32" in out, out
     assert "HINT:" in out, out
     assert elapsed < 45, f"took {elapsed:.0f}s: the error should come before any hang"
+
+
+@pytest.mark.timeout(120)
+def test_src_group_parameter_list_and_mixed_dtypes() -> None:
+    """src=1, a subgroup (src counted in it), a parameter list, float16/bfloat16/float64."""
+    _run_ok(3, "sync_options.py")
