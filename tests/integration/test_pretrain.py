@@ -263,3 +263,66 @@ def test_usr2_to_hpc_run_stops_pretrain_with_a_checkpoint(tmp_path: Path) -> Non
     assert res["status"] == "stopped" and 11 <= res["step"] < 440, res
     assert "Not a Slurm job, nothing to requeue: rerun the same command to resume." in err
     assert (out / "checkpoints" / f"ckpt-{res['step']:08d}.pt").exists()
+
+
+@pytest.mark.timeout(240)
+def test_resume_path_no_resume_and_elastic(straight: tuple[Path, Any], tmp_path: Path
+                                           ) -> None:
+    """--no-resume refuses a DIR with checkpoints; --resume PATH continues another run's
+    checkpoint exactly in a new DIR; --elastic continues a 2-rank checkpoint on 1 rank."""
+    half = tmp_path / "half"
+    ok(run(2, *TINY, "--max-steps", str(STEPS // 2), "--out", str(half)))
+    ckpt = half / "checkpoints" / f"ckpt-{STEPS // 2:08d}.pt"
+    assert ckpt.exists()
+    proc = run(2, *TINY, "--no-resume", "--out", str(half))
+    assert proc.returncode == 1, proc.stderr
+    assert (f"{half / 'checkpoints'} already holds 1 checkpoints and resume='never' would "
+            "overwrite them") in proc.stderr, proc.stderr
+    assert "HINT: pass --resume auto to continue that run" in proc.stderr
+    assert ckpt.exists() and not (half / "checkpoints" / "ckpt-00000001.pt").exists()
+
+    other = tmp_path / "other"
+    proc = ok(run(2, *TINY, "--resume", str(ckpt), "--out", str(other)))
+    assert f"resumed from {ckpt}" in proc.stderr, proc.stderr
+    assert result(other)["status"] == "completed"
+    assert_same_state(final_state(straight[0]), final_state(other))
+
+    elastic = tmp_path / "elastic"
+    proc = run(1, *TINY, "--resume", str(ckpt), "--max-steps", str(STEPS // 2 + 3),
+               "--out", str(elastic))
+    assert proc.returncode == 1 and "pass --elastic" in proc.stderr, proc.stderr
+    proc = ok(run(1, *TINY, "--elastic", "--resume", str(ckpt), "--max-steps",
+                  str(STEPS // 2 + 3), "--out", str(elastic)))
+    assert f"world size changed 2 -> 1: resuming from {ckpt} NOT exactly" in proc.stderr
+    res = result(elastic)
+    assert (res["status"], res["step"], res["world_size"]) == ("stopped", STEPS // 2 + 3, 1)
+
+
+@pytest.mark.timeout(150)
+def test_data_file_and_adamw(tmp_path: Path) -> None:
+    """--data FILE (.pt, 8x8 images) trains with --optimizer adamw; a file that lacks
+    keys is refused with the keys it holds."""
+    gen = torch.Generator().manual_seed(0)
+    data = tmp_path / "mine.pt"
+    torch.save({"x_train": torch.randn(256, 1, 8, 8, generator=gen),
+                "y_train": torch.randint(0, 10, (256,), generator=gen),
+                "x_val": torch.randn(64, 1, 8, 8, generator=gen),
+                "y_val": torch.randint(0, 10, (64,), generator=gen)}, data)
+    out = tmp_path / "run"
+    ok(run(1, "--data", str(data), "--optimizer", "adamw", "--epochs", "1",
+           "--batch-size", "32", "--width", "8", "--val-archs", "1", "--recal-samples", "32",
+           "--no-progress", "--out", str(out)))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["optimizer"], config["data"]) == ("adamw", str(data))
+    state = final_state(out)
+    assert state["step"] == 256 // 32
+    moments = [set(s) for s in state["optimizer"]["state"].values()]
+    assert moments and all({"exp_avg", "exp_avg_sq"} <= m for m in moments), moments
+    assert "momentum_buffer" not in set().union(*moments)
+
+    bad = tmp_path / "bad.pt"
+    torch.save({"x_train": torch.zeros(4, 1, 8, 8)}, bad)
+    proc = run(1, "--data", str(bad), "--epochs", "1", "--no-progress", "--no-out")
+    assert proc.returncode != 0
+    assert f"{bad} lacks ['y_train', 'x_val', 'y_val']; it holds ['x_train']" in proc.stderr, \
+        proc.stderr
