@@ -198,7 +198,7 @@ def _resolve(env: Mapping[str, str]) -> DistInfo:
 
     info = detect(env)
     if info.launcher == "mpi4py":
-        info = master.from_mpi4py()
+        info = master.from_mpi4py(env)
     info = master.resolve_master(info, env)
     for warning in info.warnings:
         logger.warning("%s", warning)

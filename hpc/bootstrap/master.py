@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from hpc.environments import DistInfo, Environment, by_name
-from hpc.environments.mpi import MPIEnvironment, mpi4py_world
+from hpc.environments.mpi import ABI_HINT, MPIEnvironment, mpi4py_world
 from hpc.errors import LaunchEnvironmentError, MasterAddressError
 
 __all__ = ["from_mpi4py", "resolve_master", "ephemeral_port_warning", "ephemeral_range"]
@@ -61,14 +61,43 @@ def ephemeral_port_warning(info: DistInfo, environ: Mapping[str, str],
     )
 
 
-def from_mpi4py() -> DistInfo:
-    """Read the layout from ``mpi4py.MPI.COMM_WORLD`` (``HPC_LAUNCHER=mpi4py``)."""
-    comm = mpi4py_world()
+def _launched(environ: Mapping[str, str]) -> Optional[DistInfo]:
+    """The layout the launcher's own variables give, ``HPC_LAUNCHER`` aside (None: none
+    or unreadable)."""
+    from hpc.environments import OVERRIDE_VARIABLE, detect
+
+    try:
+        info = detect({k: v for k, v in environ.items() if k != OVERRIDE_VARIABLE})
+    except LaunchEnvironmentError:
+        return None
+    return info if info.launcher != "local" else None
+
+
+def from_mpi4py(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
+    """Read the layout from ``mpi4py.MPI.COMM_WORLD`` (``HPC_LAUNCHER=mpi4py``).
+
+    Raises:
+        MasterAddressError: mpi4py cannot be used, or it sees another world size than
+            the launcher's own variables say (it would load another MPI library than
+            the launcher's: every process would run alone as rank 0).
+    """
+    import os
+
+    launched = _launched(os.environ if environ is None else environ)
+    comm = mpi4py_world(launched.launcher if launched is not None else "")
     if comm is None:
         raise MasterAddressError(
-            "HPC_LAUNCHER=mpi4py but mpi4py cannot be imported.\n"
+            "HPC_LAUNCHER=mpi4py but mpi4py cannot be imported"
+            + (f" or would load another MPI library than {launched.launcher}'s"
+               if launched is not None else "") + ".\n"
             "HINT: pip install 'torch-hpc[mpi]' (for MPICH also export MPI4PY_LIBMPI)."
         )
+    if launched is not None and comm.Get_size() != launched.world_size:
+        raise MasterAddressError(
+            f"HPC_LAUNCHER=mpi4py: mpi4py sees {comm.Get_size()} rank(s) but "
+            f"{launched.launcher} started {launched.world_size}.\nmpi4py is linked to "
+            "another MPI library than the launcher's, so every process would run alone "
+            "as rank 0.\n" + ABI_HINT + ", or unset HPC_LAUNCHER.")
     from mpi4py import MPI  # loaded already by mpi4py_world
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)

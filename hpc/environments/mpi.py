@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 #: MPI launcher -> ABI family of the libmpi its ranks must load.
 _ABI = {"openmpi": "openmpi", "mpich": "mpich", "mvapich2": "mpich"}
 #: How to point mpi4py at the launcher's library, shown whenever it would load another.
-_ABI_HINT = ("HINT: for MPICH make a link <dir>/libmpi.so.12 -> libmpich.so.12 and export "
+ABI_HINT = ("HINT: for MPICH make a link <dir>/libmpi.so.12 -> libmpich.so.12 and export "
              "MPI4PY_LIBMPI=<dir>/libmpi.so.12 LD_LIBRARY_PATH=<dir>")
 
 
@@ -128,7 +128,7 @@ def broadcast_master(info: DistInfo) -> Optional[DistInfo]:
             "another MPI library than the launcher's; not using it.\n%s, or rebuild "
             "mpi4py against the launcher's MPI.",
             comm.Get_rank(), comm.Get_size(), info.launcher, info.rank, info.world_size,
-            _ABI_HINT)
+            ABI_HINT)
         return None
     single = info.local_world_size == info.world_size
     mine = None
@@ -169,7 +169,7 @@ def mpi4py_world(launcher: str = "") -> Any:
     if want and have and want != have:
         logger.warning(
             "mpi4py would load the %s library but %s started this process; not using it "
-            "to find the master.\n%s.", have, launcher, _ABI_HINT)
+            "to find the master.\n%s.", have, launcher, ABI_HINT)
         return None
     try:
         from mpi4py import MPI  # noqa: PLC0415 - importing initialises MPI: only on demand

@@ -125,3 +125,45 @@ def test_resolve_master_attaches_the_warning(monkeypatch) -> None:
     env = dict(load("srun_from_login_env.txt")[1][1], MASTER_PORT="41000")
     info = master.resolve_master(detect(env), env)
     assert info.master_port == 41000 and len(info.warnings) == 1
+
+
+class _SingletonComm:
+    """What mpi4py linked to another MPI sees in a process MPICH started: a world of 1."""
+
+    def Get_size(self) -> int:  # noqa: N802 - mpi4py's spelling
+        return 1
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return 0
+
+
+def test_hpc_launcher_mpi4py_refuses_a_world_the_launcher_disagrees_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source-built mpi4py (ABI unknown) on the wrong MPI: not N silent rank-0 runs."""
+    from hpc.bootstrap import master
+
+    asked: list[str] = []
+    monkeypatch.setattr(master, "mpi4py_world",
+                        lambda launcher="": asked.append(launcher) or _SingletonComm())
+    env = {"HPC_LAUNCHER": "mpi4py", "PMI_RANK": "1", "PMI_SIZE": "2",
+           "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    with pytest.raises(MasterAddressError) as e:
+        master.from_mpi4py(env)
+    assert asked == ["mpich"]  # the ABI check knows which MPI started the process
+    assert str(e.value).startswith("HPC_LAUNCHER=mpi4py: mpi4py sees 1 rank(s) but mpich "
+                                   "started 2.\n")
+    assert "export MPI4PY_LIBMPI=" in str(e.value) and "unset HPC_LAUNCHER" in str(e.value)
+
+
+def test_hpc_launcher_mpi4py_unusable_names_the_launcher(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from hpc.bootstrap import master
+
+    monkeypatch.setattr(master, "mpi4py_world", lambda launcher="": None)
+    env = {"HPC_LAUNCHER": "mpi4py", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    with pytest.raises(MasterAddressError, match="cannot be imported or would load another "
+                       "MPI library than openmpi's"):
+        master.from_mpi4py(env)
+    with pytest.raises(MasterAddressError, match=r"cannot be imported\.\nHINT: pip install"):
+        master.from_mpi4py({"HPC_LAUNCHER": "mpi4py"})
