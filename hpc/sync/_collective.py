@@ -27,7 +27,7 @@ from hpc.errors import ModelMismatchError
 
 __all__ = ["active_world", "check_same_tensors", "start_check", "finish_check",
            "comm_device", "Signature", "describe", "agreement_vector", "all_agree",
-           "BucketKind", "BUCKET_KINDS", "start_bucket", "MODEL_BUCKET_BYTES",
+           "same_on_all_ranks", "BucketKind", "BUCKET_KINDS", "start_bucket", "MODEL_BUCKET_BYTES",
            "GRAD_BUCKET_BYTES", "GRAD_OVERLAP_BUCKET_BYTES"]
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,21 @@ def all_agree(reduced: Sequence[int]) -> bool:
     """True when the MAX-reduced :func:`agreement_vector` shows one digest and count."""
     hi, neg_lo, n_hi, neg_n_lo = reduced
     return hi == -neg_lo and n_hi == -neg_n_lo
+
+
+def same_on_all_ranks(data: bytes, group: Optional[Any] = None) -> bool:
+    """True on every rank when every rank of ``group`` passed the same ``data``.
+
+    One ``all_reduce(MAX)`` of a hash and its length (as :func:`start_check`);
+    collective. True when not distributed.
+    """
+    if not active_world(group):
+        return True
+    digest = int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & ((1 << 62) - 1)
+    mine = torch.tensor(agreement_vector(digest, len(data)), dtype=torch.int64,
+                        device=comm_device(group))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    return all_agree(mine.tolist())
 
 
 def describe(entry: Optional[tuple[str, tuple[int, ...], str]]) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -45,6 +45,7 @@ from hpc.sync._collective import (
     active_world,
     check_same_tensors,
     comm_device,
+    same_on_all_ranks,
     start_bucket,
 )
 from hpc.sync._plan import (
@@ -64,6 +65,9 @@ logger = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 ModuleOrParams = Union[torch.nn.Module, Iterable[torch.Tensor]]
+#: Who used what, passed by the caller: one iterable of parameters per rank, or a
+#: ``(world_size, n_params)`` bool/integer tensor (columns in parameter order).
+Users = Union[torch.Tensor, Sequence[Iterable[torch.Tensor]]]
 
 
 @dataclass
@@ -100,6 +104,9 @@ class GradSync:
         match_ddp: Reproduce ``DDP(find_unused_parameters=True)`` bit for bit at any
             world size (see the module docstring); at world size 2 the default already
             does.
+        comm_dtype: Send float32 gradients in this dtype (``torch.bfloat16`` or
+            ``torch.float16``) and convert the mean back: half the bytes, not bitwise
+            equal to DDP (compare DDP's ``bf16_compress_hook``). Default: off.
         group: Process group (default: the world).
 
     Raises:
@@ -111,19 +118,27 @@ class GradSync:
     def __init__(self, module_or_params: ModuleOrParams, *,
                  bucket_bytes: int = GRAD_BUCKET_BYTES,
                  overlap_bucket_bytes: int = GRAD_OVERLAP_BUCKET_BYTES,
-                 match_ddp: bool = False, group: Optional[Any] = None) -> None:
+                 match_ddp: bool = False, comm_dtype: Optional[torch.dtype] = None,
+                 group: Optional[Any] = None) -> None:
+        if comm_dtype not in (None, torch.bfloat16, torch.float16):
+            raise HPCError(
+                f"GradSync: comm_dtype={comm_dtype} is not supported.\nOnly the 16-bit "
+                "float types halve the bytes of float32 gradients.\nHINT: pass "
+                "comm_dtype=torch.bfloat16, torch.float16 or None (send as is).")
         self.named = trainable(module_or_params)
         self.params = [p for _, p in self.named]
         self.bucket_bytes = bucket_bytes
         self.overlap_bucket_bytes = overlap_bucket_bytes
         self.match_ddp = match_ddp
+        self.comm_dtype = comm_dtype
         self.group = group
         #: Figures of the last sync: parameters sent/skipped, bytes, collectives.
         self.stats: dict[str, int] = {}
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._numels = [p.numel() for p in self.params]
-        self._keys = [(p.device, p.dtype) for p in self.params]
-        self._itemsizes = [p.element_size() for p in self.params]
+        #: (device, dtype on the wire) per parameter: its bucket key.
+        self._keys = [_key(p, comm_dtype) for p in self.params]
+        self._itemsizes = [k[1].itemsize for k in self._keys]
         #: Strides of a dense non-contiguous parameter (channels_last), else None: its
         #: synced gradient keeps that layout, as DDP's bucket views do.
         self._strides = [None if p.is_contiguous() or not dense_layout(p) else p.stride()
@@ -133,23 +148,44 @@ class GradSync:
         self._step: Optional[_Step] = None
         self._hooks: list[Any] = []
         self._ddp_buckets: Optional[list[list[int]]] = None
+        self._users_checked = False
 
     # ------------------------------------------------------------------ public
-    def sync(self) -> None:
-        """Average the gradients now (collective: every rank calls it after backward)."""
+    def sync(self, users: Optional[Users] = None) -> None:
+        """Average the gradients now (collective: every rank calls it after backward).
+
+        Args:
+            users: Which parameters each rank used this step, when every rank can
+                compute it (e.g. supernet paths drawn from the seed, the rank and the
+                step): skips the agreement round. One iterable of parameters per rank,
+                in rank order, or a ``(world_size, n_params)`` bool tensor; every rank
+                must pass the same. A listed parameter without a gradient contributes
+                zeros; a gradient that is not listed is an error.
+
+        Raises:
+            HPCError: ``users`` is malformed, omits a gradient this rank has, or (on
+                the first call with ``users``) differs between ranks.
+        """
         ws = active_world(self.group)
         st, self._step = self._step, None
         if not ws:
             return
         with torch.no_grad():
             if st is None:
-                st = self._begin(self._local_mask(None), asynchronous=False)
+                mine = self._local_mask(None)
+                st = (self._begin(mine, asynchronous=False) if users is None
+                      else self._given(mine, users, ws))
             self._finish(st, ws)
 
     __call__ = sync
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)`` with the sync overlapped, then :meth:`sync`."""
+    def backward(self, loss: torch.Tensor, users: Optional[Users] = None,
+                 **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` with the sync overlapped, then :meth:`sync`.
+
+        ``users`` as for :meth:`sync`: with it, the buckets are planned before backward
+        starts and the first ones leave as soon as their gradients exist.
+        """
         if not active_world(self.group):
             loss.backward(**kwargs)
             return
@@ -158,8 +194,13 @@ class GradSync:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, i=i: _on_grad(ref, i)))
-        self._step = self._begin(self._local_mask(loss), asynchronous=True)
-        self._step.overlap = True
+        mine = self._local_mask(loss)
+        if users is None:
+            self._step = self._begin(mine, asynchronous=True)
+            self._step.overlap = True
+        else:
+            self._step = self._given(mine, users, dist.get_world_size(self.group),
+                                     overlap=True)
         try:
             loss.backward(**kwargs)
         except BaseException:
@@ -188,10 +229,42 @@ class GradSync:
             flags.append(g is not None or id(p) in reach)
         return torch.tensor(flags, dtype=torch.uint8)
 
-    def _begin(self, mine: torch.Tensor, asynchronous: bool) -> _Step:
+    def _check_once(self) -> None:
         if not self._checked:
             check_same_tensors(self.named, "sync_gradients", self.group)
             self._checked = True
+
+    def _given(self, mine: torch.Tensor, users: Users, ws: int,
+               overlap: bool = False) -> _Step:
+        """A step whose usage the caller passed: checked, planned, no agreement round."""
+        self._check_once()
+        matrix = _users_matrix(users, ws, self._index, self.named)
+        rank = dist.get_rank(self.group)
+        row = matrix[rank]
+        missing = (mine.bool() & ~row.bool()).nonzero().flatten().tolist()
+        if missing:
+            raise HPCError(
+                f"sync_gradients: rank {rank} has a gradient for "
+                f"{self.named[missing[0]][0]!r} ({len(missing)} parameter(s) in all) "
+                f"that users[{rank}] does not list.\nThe other ranks plan from users, so "
+                "that gradient would be left out of the mean.\nHINT: compute users from "
+                "the same paths forward() used on every rank, or leave users out to "
+                "exchange them (one extra round trip).")
+        if not self._users_checked:
+            if not same_on_all_ranks(matrix.numpy().tobytes(), self.group):
+                raise HPCError(
+                    "sync_gradients: ranks passed different users on their first call "
+                    "with users=.\nEvery rank plans its collectives from users, so "
+                    "different values would pair mismatched buckets.\nHINT: compute "
+                    "every rank's row the same way on every rank (e.g. from the seed, "
+                    "that rank's number and the step).")
+            self._users_checked = True
+        st = _Step(row.clone(), matrix, None, overlap=overlap)
+        self._build(st)
+        return st
+
+    def _begin(self, mine: torch.Tensor, asynchronous: bool) -> _Step:
+        self._check_once()
         ws = dist.get_world_size(self.group)
         dev = comm_device(self.group)
         mine_d = mine.to(dev)
@@ -213,7 +286,7 @@ class GradSync:
                             rank, layout)
         mine = st.mine.tolist()
         for b in st.plan:
-            device, dtype = b.key
+            device, dtype = b.key[0], b.key[1]
             cap = self._arena_capacity(b, st.overlap)
             b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel, cap)
             for i, off in zip(b.idx, b.offsets):
@@ -336,11 +409,12 @@ class GradSync:
                 # process group (kept until the next step or interpreter exit) can
                 # abort the process in their destructor.
                 b.work = None
+                flat = self._widen(b)
                 for i, off in zip(b.idx, b.offsets):
                     if b.exact and not st.counts[i]:
                         continue  # zeros of a DDP-layout bucket: nobody used it
                     p = self.params[i]
-                    view = self._view(b.flat, off, i)
+                    view = self._view(flat, off, i)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
             self.stats = {"params_synced": sent, "params_skipped": len(self.params) - sent,
@@ -351,6 +425,16 @@ class GradSync:
         finally:
             self._arena.end_step()
 
+    def _widen(self, b: Bucket) -> torch.Tensor:
+        """``b``'s result in its parameters' dtype (one conversion under comm_dtype)."""
+        flat: torch.Tensor = b.flat  # type: ignore[assignment]  # set by _build
+        dtype = self.params[b.idx[0]].dtype
+        if flat.dtype == dtype:
+            return flat
+        out = self._arena.take(flat.device, dtype, b.numel, b.numel)
+        out.copy_(flat)
+        return out
+
     def _ddp_layout(self) -> list[list[int]]:
         """DDP's bucket assignment for these parameters (find_unused_parameters=True)."""
         if self._ddp_buckets is None:
@@ -359,6 +443,53 @@ class GradSync:
                 self.params, limits, [False] * len(self.params))
             self._ddp_buckets = [list(b) for b in reversed(indices)]
         return self._ddp_buckets
+
+
+def _key(p: torch.Tensor, comm_dtype: Optional[torch.dtype]) -> tuple[Any, ...]:
+    """Bucket key of ``p``: (device, dtype on the wire[, its own dtype when it differs]).
+
+    ``comm_dtype`` applies to float32 parameters only; the third entry keeps them out
+    of the buckets of parameters that are natively of ``comm_dtype``.
+    """
+    if comm_dtype is not None and p.dtype == torch.float32:
+        return (p.device, comm_dtype, p.dtype)
+    return (p.device, p.dtype)
+
+
+def _users_matrix(users: Users, ws: int, index: dict[int, int],
+                  named: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """``users`` as a ``(ws, n)`` uint8 CPU tensor; HPCError when malformed."""
+    n = len(named)
+    if isinstance(users, torch.Tensor):
+        if tuple(users.shape) != (ws, n) or users.is_floating_point():
+            raise HPCError(
+                f"sync_gradients: users is a {users.dtype} tensor of shape "
+                f"{tuple(users.shape)}; the tensor form needs ({ws}, {n}) (world size x "
+                "parameters), bool or integer.\nHINT: one row per rank, one column per "
+                "parameter in parameters() order, or pass one iterable of parameters "
+                "per rank.")
+        return users.detach().to("cpu").ne(0).to(torch.uint8)
+    rows = list(users)
+    if len(rows) != ws:
+        raise HPCError(
+            f"sync_gradients: users has {len(rows)} entries for a world size of {ws}.\n"
+            "It needs one iterable of used parameters per rank, in rank order.\nHINT: "
+            "build it with one entry for every rank of the group.")
+    out = torch.zeros(ws, n, dtype=torch.uint8)
+    for r, row in enumerate(rows):
+        cols = []
+        for t in row:
+            i = index.get(id(t))
+            if i is None:
+                raise HPCError(
+                    f"sync_gradients: users[{r}] holds a tensor of shape "
+                    f"{tuple(t.shape)} that is not one of the {n} parameters being "
+                    "synced.\nOnly trainable parameters of the synced module count.\n"
+                    "HINT: list the module's own parameters (requires_grad=True), not "
+                    "copies or buffers.")
+            cols.append(i)
+        out[r, cols] = 1
+    return out
 
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
@@ -372,9 +503,13 @@ _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict[str, Any], GradSy
     weakref.WeakKeyDictionary())
 
 
-def sync_gradients(module_or_params: ModuleOrParams, *, match_ddp: bool = False,
+def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = None, *,
+                   match_ddp: bool = False, comm_dtype: Optional[torch.dtype] = None,
                    group: Optional[Any] = None) -> None:
     """Average ``.grad`` across ranks after ``backward()``; see :class:`GradSync`.
+
+    ``users`` (optional, this step's) as for :meth:`GradSync.sync`: who used which
+    parameter, when every rank can compute it; skips the agreement round.
 
     For a module (with the default group) one :class:`GradSync` is cached per module and
     reused, buffers included, as long as the call's options equal the ones it was built
@@ -385,12 +520,14 @@ def sync_gradients(module_or_params: ModuleOrParams, *, match_ddp: bool = False,
         return
     # Every keyword option, in one place: what GradSync is built with is the cache key,
     # so an option added here can never reuse a GradSync built with other settings.
-    options: dict[str, Any] = {"match_ddp": match_ddp, "group": group}
+    # ``users`` is this step's data, not an option.
+    options: dict[str, Any] = {"match_ddp": match_ddp, "comm_dtype": comm_dtype,
+                               "group": group}
     if isinstance(module_or_params, torch.nn.Module) and group is None:
         cached = _CACHE.get(module_or_params)
         if cached is None or cached[0] != options:
             cached = _CACHE[module_or_params] = (options, GradSync(module_or_params,
                                                                    **options))
-        cached[1].sync()
+        cached[1].sync(users)
         return
-    GradSync(module_or_params, **options).sync()
+    GradSync(module_or_params, **options).sync(users)

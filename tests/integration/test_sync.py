@@ -47,11 +47,17 @@ def test_noop_when_not_distributed() -> None:
     (2, ["--api", "backward"]),               # GradSync.backward, overlapped
     (3, ["--match-ddp"]),
     (3, ["--match-ddp", "--api", "backward"]),
-], ids=["ws2", "ws2-backward", "ws3-match_ddp", "ws3-match_ddp-backward"])
+    (2, ["--users"]),                         # caller-passed users: no agreement round
+    (2, ["--users", "--api", "backward"]),
+    (3, ["--match-ddp", "--users"]),
+], ids=["ws2", "ws2-backward", "ws3-match_ddp", "ws3-match_ddp-backward", "ws2-users",
+        "ws2-backward-users", "ws3-match_ddp-users"])
 def test_sync_gradients_bitwise_equal_to_ddp(nproc: int, args: list[str]) -> None:
     """Several steps, different unused params per rank, one param unused everywhere."""
     lines = _run_ok(nproc, "sync_grads_vs_ddp.py", "--expect", "bitwise", *args)
     assert all("bitwise_vs_ddp=True" in line for line in lines)
+    if "--match-ddp" not in args:  # DDP-layout buckets also carry unused parameters
+        assert all("wire_bytes_per_element=4.0" in line for line in lines)
 
 
 @pytest.mark.timeout(120)
@@ -83,3 +89,29 @@ def test_unequal_models_fail_fast_with_clear_error(what: str, nproc: int) -> Non
 def test_src_group_parameter_list_and_mixed_dtypes() -> None:
     """src=1, a subgroup (src counted in it), a parameter list, float16/bfloat16/float64."""
     _run_ok(3, "sync_options.py")
+
+
+@pytest.mark.parametrize("extra", [[], ["--users"]], ids=["agreed", "users"])
+def test_bf16_communication_close_to_ddp_bf16_hook(extra: list[str]) -> None:
+    """comm_dtype=bfloat16 sends 2 bytes per element; at ws 2 it even matches DDP's
+    bf16_compress_hook bit for bit (halving is exact, a sum of two terms is ordered)."""
+    lines = _run_ok(2, "sync_grads_vs_ddp.py", "--expect", "close", "--comm-dtype",
+                    "bfloat16", *extra)
+    assert all("bitwise_vs_ddp=True" in line for line in lines)
+    assert all("wire_bytes_per_element=2.0" in line for line in lines)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case,message", [
+    ("omit", ("rank 1 has a gradient for '0.weight' (1 parameter(s) in all) that "
+              "users[1] does not list")),
+    ("differ", "ranks passed different users on their first call"),
+])
+def test_wrong_users_fail_fast_with_clear_error(case: str, message: str) -> None:
+    t0 = time.monotonic()
+    proc = hpc_run(2, [script("sync_users_wrong.py"), "--case", case], timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "UNREACHABLE" not in out
+    assert "HPCError" in out and message in out and "HINT:" in out, out
+    assert time.monotonic() - t0 < 45, "the error should come before any hang"

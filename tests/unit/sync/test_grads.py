@@ -22,8 +22,9 @@ class _FakeGradSync:
         self.syncs = 0
         _FakeGradSync.built.append(self)
 
-    def sync(self) -> None:
+    def sync(self, users: Any = None) -> None:
         self.syncs += 1
+        self.users = users
 
 
 @pytest.fixture
@@ -76,6 +77,15 @@ def test_every_option_reaches_gradsync() -> None:
     sig = inspect.signature(grads.GradSync.__init__)
     accepted = {n for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert set(_keyword_options()) <= accepted
+
+
+def test_users_reach_the_cached_gradsync_without_rebuilding_it(
+        fake: type[_FakeGradSync]) -> None:
+    net = torch.nn.Linear(2, 2)
+    rows = [list(net.parameters()), []]
+    grads.sync_gradients(net)
+    grads.sync_gradients(net, rows)
+    assert len(fake.built) == 1 and fake.built[0].users is rows
 
 
 def test_a_group_or_a_parameter_list_is_never_cached(fake: type[_FakeGradSync]) -> None:
