@@ -1,25 +1,37 @@
 """Benchmark: gradient sync of a weight-sharing supernet, ``sync_gradients`` vs DDP.
 
 A ~10M-parameter supernet (8 searchable blocks of 4 candidate ops, stem, head); every
-rank draws a different random path every step, so the set of parameters with gradients
-differs between ranks. Modes, each with its own copy of the model and SGD, interleaved
-round-robin so that the ratios come from one run under the same machine load:
+rank draws a different random path every step (a pure function of rank and step), so
+the set of parameters with gradients differs between ranks. Modes, each with its own
+copy of the model and SGD, interleaved round-robin so that the ratios come from one run
+under the same machine load:
 
 * ``nosync``    no communication at all: the compute ceiling;
 * ``barrier``   no data moved, but ranks wait for each other every step: the ceiling
   of any synchronous method (the ranks' paths differ in cost, so the slower one sets
   the pace);
 * ``ddp``       ``DistributedDataParallel(find_unused_parameters=True)``;
+* ``ddp-bf16``  the same with DDP's ``bf16_compress_hook`` (its body: DDP refuses the
+  original on gloo);
 * ``pertensor`` one ``all_reduce`` per parameter (zeros where unused), the naive fix;
 * ``gradsync``  ``hpc.GradSync.sync()`` after ``loss.backward()``;
-* ``overlap``   ``hpc.GradSync.backward(loss)``: the sync overlapped with backward.
+* ``users``     ``GradSync.sync(users=...)``: every rank computes every rank's path, so
+  the agreement round is skipped;
+* ``overlap``   ``GradSync.backward(loss, users=...)``: overlapped with backward;
+* ``bf16``      ``GradSync(comm_dtype=torch.bfloat16).sync(users=...)`` (not bitwise).
 
-Run (2 ranks, gloo, one table per batch size on rank 0)::
+Every mode runs on each process group of ``--groups``, also interleaved: ``hpc``, the
+world group ``hpc.init_torch`` created (under ``hpc run``: two gloo connections,
+``GLOO_SOCKET_IFNAME=lo,lo``), and ``plain``, a group built the way a plain
+``init_process_group`` builds it here (``GLOO_SOCKET_IFNAME=lo``: one connection).
+
+Run (2 ranks, gloo, one table per batch size and group on rank 0)::
 
     flock /tmp/hpc-heavy.lock hpc run --nproc 2 -- python bench/gradsync_supernet.py
 
-Options: ``--batches 256,16`` (normal and communication-bound), ``--steps 20`` timed
-steps per window, ``--repeats 5`` windows per mode (median), ``--dim 448``.
+Options: ``--batches 256,64`` (compute- and communication-bound), ``--steps 20`` timed
+steps per window, ``--repeats 5`` windows per mode (median), ``--dim 448``,
+``--blocks 8``, ``--profile`` (where one ``sync`` step's time goes, per phase).
 """
 
 from __future__ import annotations
@@ -31,13 +43,16 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import hpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _groups import bf16_hook, describe_group, make_groups
 
 
 class Supernet(nn.Module):
@@ -67,103 +82,140 @@ class Supernet(nn.Module):
             x = x + block[choice](x)
         return self.head(x)
 
+    def used(self, path: Sequence[int]) -> list[nn.Parameter]:
+        """The parameters ``forward(x, path)`` uses."""
+        out = [*self.stem.parameters(), *self.head.parameters()]
+        for block, choice in zip(self.blocks, path):
+            out += block[choice].parameters()
+        return out
 
-def per_tensor(model: nn.Module) -> None:
+
+def path_of(rank: int, step: int, blocks: int) -> list[int]:
+    """Rank ``rank``'s path at ``step``: a pure function, so any rank can compute it."""
+    gen = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return [int(c) for c in torch.randint(0, 4, (blocks,), generator=gen)]
+
+
+def per_tensor(model: nn.Module, group: Any) -> None:
     """The naive fix: one all_reduce per parameter, zeros where unused."""
-    ws = dist.get_world_size()
+    ws = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
+        dist.all_reduce(p.grad, group=group)
         p.grad.div_(ws)
 
 
-def run_mode(mode: str, model: nn.Module, opt: torch.optim.Optimizer,
-             batches: list[tuple[torch.Tensor, torch.Tensor]], paths: list[list[int]],
-             start: int, steps: int) -> float:
-    """Time ``steps`` training steps; returns seconds (all ranks done)."""
-    sync: Optional[Callable[[], None]] = None
-    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
-    if mode == "gradsync":
-        gs = hpc.GradSync(model)
-        sync = gs.sync
-    elif mode == "overlap":
-        gs = hpc.GradSync(model)
-        backward = gs.backward
-    elif mode == "barrier":
-        sync = dist.barrier
-    elif mode == "pertensor":
-        def sync() -> None:
-            per_tensor(model)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for k in range(start, start + steps):
-        x, y = batches[k % len(batches)]
-        opt.zero_grad(set_to_none=True)
-        backward(nn.functional.cross_entropy(model(x, paths[k]), y))
-        if sync is not None:
-            sync()
-        opt.step()
-    dist.barrier()
-    return time.perf_counter() - t0
+class Runner:
+    """One mode on one group: its own model copy, optimizer and step function."""
+
+    def __init__(self, mode: str, base: Supernet, group: Any) -> None:
+        self.mode, self.group = mode, group
+        self.model = copy.deepcopy(base)
+        self.net: nn.Module = self.model
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.ws = dist.get_world_size(group)
+        self.sync: Optional[Callable[[int], None]] = None
+        self.backward: Callable[[torch.Tensor, int], None] = lambda loss, k: loss.backward()
+        if mode.startswith("ddp"):
+            self.net = nn.parallel.DistributedDataParallel(
+                self.model, find_unused_parameters=True, process_group=group)
+            if mode == "ddp-bf16":
+                self.net.register_comm_hook(group, bf16_hook)
+        elif mode in ("gradsync", "users", "overlap", "bf16"):
+            dtype = torch.bfloat16 if mode == "bf16" else None
+            gs = self.gs = hpc.GradSync(self.model, group=group, comm_dtype=dtype)
+            if mode == "gradsync":
+                self.sync = lambda k: gs.sync()
+            elif mode == "overlap":
+                self.backward = lambda loss, k: gs.backward(loss, users=self.users(k))
+            else:
+                self.sync = lambda k: gs.sync(users=self.users(k))
+        elif mode == "barrier":
+            self.sync = lambda k: dist.barrier(group=group)
+        elif mode == "pertensor":
+            self.sync = lambda k: per_tensor(self.model, group)
+
+    def users(self, k: int) -> list[list[nn.Parameter]]:
+        blocks = len(self.model.blocks)
+        return [self.model.used(path_of(r, k, blocks)) for r in range(self.ws)]
+
+    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
+            start: int, steps: int) -> float:
+        """Time ``steps`` training steps; returns seconds (all ranks done)."""
+        dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        for k in range(start, start + steps):
+            x, y = batches[k % len(batches)]
+            self.opt.zero_grad(set_to_none=True)
+            path = path_of(rank, k, len(self.model.blocks))
+            self.backward(nn.functional.cross_entropy(self.net(x, path), y), k)
+            if self.sync is not None:
+                self.sync(k)
+            self.opt.step()
+        dist.barrier(group=self.group)
+        return time.perf_counter() - t0
 
 
-def bench(batch: int, args: argparse.Namespace, info: hpc.DistInfo) -> dict[str, float]:
+def bench(batch: int, args: argparse.Namespace, info: hpc.DistInfo,
+          groups: dict[str, Any]) -> None:
     torch.manual_seed(0)
-    base = Supernet(args.dim)
+    base = Supernet(args.dim, args.blocks)
     nparams = sum(p.numel() for p in base.parameters())
     gen = torch.Generator().manual_seed(1 + info.rank)
     batches = [(torch.randn(batch, args.dim, generator=gen),
                 torch.randint(0, 10, (batch,), generator=gen)) for _ in range(8)]
-    total = (args.warmup + args.steps * args.repeats) * 1
-    paths = [[int(c) for c in torch.randint(0, 4, (len(base.blocks),), generator=gen)]
-             for _ in range(total + args.warmup)]
-    models: dict[str, nn.Module] = {}
-    opts: dict[str, torch.optim.Optimizer] = {}
-    for mode in args.modes:
-        m = copy.deepcopy(base)
-        runner = nn.parallel.DistributedDataParallel(m, find_unused_parameters=True) \
-            if mode == "ddp" else m
-        models[mode] = runner
-        opts[mode] = torch.optim.SGD(m.parameters(), lr=1e-3)
-    for mode in args.modes:  # warm up (allocations, DDP's first iteration)
-        run_mode(mode, models[mode], opts[mode], batches, paths, 0, args.warmup)
-    times: dict[str, list[float]] = {m: [] for m in args.modes}
-    for r in range(args.repeats):
-        for mode in args.modes:
-            start = args.warmup + r * args.steps
-            times[mode].append(run_mode(mode, models[mode], opts[mode], batches, paths,
-                                        start, args.steps))
-    rates = {m: args.steps / statistics.median(t) for m, t in times.items()}
-    if info.rank == 0:
+    runners = {(g, m): Runner(m, base, groups[g]) for g in groups for m in args.modes}
+    for r in runners.values():  # warm up (allocations, DDP's first iteration)
+        r.run(batches, info.rank, 0, args.warmup)
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in runners}
+    for rep in range(args.repeats):
+        for key, r in runners.items():
+            start = args.warmup + rep * args.steps
+            times[key].append(r.run(batches, info.rank, start, args.steps))
+    if info.rank != 0:
+        return
+    for g, group in groups.items():
+        rates = {m: args.steps / statistics.median(times[g, m]) for m in args.modes}
         print(f"\nbatch {batch}, {nparams / 1e6:.1f}M params, world size "
-              f"{info.world_size}, {torch.get_num_threads()} thread(s)/rank, "
-              f"{args.repeats}x{args.steps} steps, median")
+              f"{info.world_size}, group {g!r} ({describe_group(group)}), "
+              f"{torch.get_num_threads()} thread(s)/rank, {args.repeats}x{args.steps} "
+              f"steps, median")
         print(f"{'mode':<10} {'steps/s':>8} {'vs ddp':>7} {'vs nosync':>9}")
         for mode in args.modes:
             rel = f"{rates[mode] / rates['ddp']:.2f}" if "ddp" in rates else "-"
             ceil = f"{rates[mode] / rates['nosync']:.2f}" if "nosync" in rates else "-"
             print(f"{mode:<10} {rates[mode]:8.2f} {rel:>7} {ceil:>9}")
-        sys.stdout.flush()
-    return rates
+    sys.stdout.flush()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="256,16")
+    ap.add_argument("--batches", default="256,64")
     ap.add_argument("--dim", type=int, default=448)
+    ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--modes", default="nosync,barrier,ddp,pertensor,gradsync,overlap")
+    ap.add_argument("--modes", default="nosync,barrier,ddp,pertensor,gradsync,users,"
+                                       "overlap,ddp-bf16,bf16")
+    ap.add_argument("--groups", default="hpc,plain")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where a GradSync step's time goes instead")
     args = ap.parse_args(argv)
     args.modes = args.modes.split(",")
     info = hpc.init_torch(backend="gloo")
     threads = args.threads or max(1, (os.cpu_count() or 1) // info.local_world_size)
     torch.set_num_threads(threads)
+    groups = make_groups(args.groups.split(","))
     for batch in (int(b) for b in args.batches.split(",")):
-        bench(batch, args, info)
+        if args.profile:
+            from _profile_sync import profile
+            profile(Supernet(args.dim, args.blocks), batch, args, info, groups,
+                    path_of)
+        else:
+            bench(batch, args, info, groups)
     return 0
 
 

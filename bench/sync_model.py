@@ -18,8 +18,10 @@ Run (one table per model on rank 0)::
     flock /tmp/hpc-heavy.lock hpc run --nproc 2 -- python bench/sync_model.py
     flock /tmp/hpc-heavy.lock hpc run --nproc 4 -- python bench/sync_model.py
 
-``hpc run`` gives gloo two loopback connections (``GLOO_SOCKET_IFNAME=lo,lo``); prefix
-``GLOO_SOCKET_IFNAME=lo`` to measure with one.
+Every mode runs on each group of ``--groups`` (interleaved, one table each): ``hpc``,
+the world group of ``hpc.init_torch`` (under ``hpc run`` gloo gets two loopback
+connections, ``GLOO_SOCKET_IFNAME=lo,lo``), and ``plain``, one connection, as a script
+calling ``init_process_group`` itself gets here (``GLOO_SOCKET_IFNAME=lo``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _groups import describe_group, make_groups
 
 
 def resnet50_like() -> nn.Module:
@@ -61,64 +66,79 @@ def small_1m() -> nn.Module:
     return nn.Sequential(*[nn.Linear(141, 141) for _ in range(50)])
 
 
-def timeit(fn: Callable[[], None]) -> float:
-    dist.barrier()
+def timeit(fn: Callable[[], None], group: object) -> float:
+    dist.barrier(group=group)
     t0 = time.perf_counter()
     fn()
-    dist.barrier()
+    dist.barrier(group=group)
     return time.perf_counter() - t0
 
 
-def bench(name: str, model: nn.Module, repeats: int, rank: int, ws: int) -> None:
+def _modes(model: nn.Module, group: object) -> dict[str, Callable[[], None]]:
+    """The timed operations on ``group``."""
     tensors = [p.data for p in model.parameters()] + list(model.buffers())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.empty(nbytes // 4 + 1, dtype=torch.float32)
 
     def per_tensor() -> None:
         for t in tensors:
-            dist.broadcast(t, 0)
+            dist.broadcast(t, 0, group=group)
 
-    modes: dict[str, Callable[[], None]] = {
-        "flat broadcast": lambda: dist.broadcast(flat, 0),
+    return {
+        "flat broadcast": lambda: dist.broadcast(flat, 0, group=group),
         "per-tensor broadcast": per_tensor,
-        "sync_model": lambda: hpc.sync_model(model),
-        "sync_model(no check)": lambda: hpc.sync_model(model, check=False),
-        "flat allreduce": lambda: dist.all_reduce(flat),
+        "sync_model": lambda: hpc.sync_model(model, group=group),
+        "sync_model(no check)": lambda: hpc.sync_model(model, check=False, group=group),
+        "flat allreduce": lambda: dist.all_reduce(flat, group=group),
         "sync_model(reduce)": lambda: hpc.sync_model(model, reduce_parameters=True,
-                                                     reduce_buffers=True),
+                                                     reduce_buffers=True, group=group),
     }
-    for fn in modes.values():  # warm up: connections, allocator
-        timeit(fn)
-    times: dict[str, list[float]] = {m: [] for m in modes}
+
+
+def bench(name: str, model: nn.Module, repeats: int, rank: int, ws: int,
+          groups: dict[str, object]) -> None:
+    tensors = [p.data for p in model.parameters()] + list(model.buffers())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    modes = {(g, m): fn for g, group in groups.items()
+             for m, fn in _modes(model, group).items()}
+    for (g, _), fn in modes.items():  # warm up: connections, allocator
+        timeit(fn, groups[g])
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in modes}
     for _ in range(repeats):
-        for mode, fn in modes.items():
-            times[mode].append(timeit(fn))
-    if rank == 0:
-        nparams = sum(p.numel() for p in model.parameters())
+        for (g, m), fn in modes.items():
+            times[g, m].append(timeit(fn, groups[g]))
+    if rank != 0:
+        return
+    nparams = sum(p.numel() for p in model.parameters())
+    for g, group in groups.items():
         print(f"\n{name}: {nparams / 1e6:.1f}M params, {len(tensors)} tensors, "
               f"{nbytes / 2**20:.1f} MiB, world size {ws}, median of {repeats}, "
-              f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '(unset)')}")
+              f"group {g!r} ({describe_group(group)})")
         print(f"{'mode':<22} {'ms':>8} {'GB/s':>6} {'vs flat':>8}")
-        for mode, ts in times.items():
+        for (gg, mode), ts in times.items():
+            if gg != g:
+                continue
             t = statistics.median(ts)
-            base = statistics.median(times["flat allreduce" if "reduce" in mode
+            base = statistics.median(times[g, "flat allreduce" if "reduce" in mode
                                            else "flat broadcast"])
             print(f"{mode:<22} {t * 1e3:8.2f} {nbytes / t / 1e9:6.2f} {base / t:8.2f}")
-        sys.stdout.flush()
+    sys.stdout.flush()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", default="resnet50,small")
+    ap.add_argument("--groups", default="hpc,plain")
     args = ap.parse_args(argv)
     info = hpc.init_torch(backend="gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     torch.manual_seed(info.rank)  # different weights per rank, as before a real sync
     builders = {"resnet50": ("ResNet-50-like", resnet50_like), "small": ("1M/100", small_1m)}
+    groups = make_groups(args.groups.split(","))
     for key in args.models.split(","):
         name, build = builders[key]
-        bench(name, build(), args.repeats, info.rank, info.world_size)
+        bench(name, build(), args.repeats, info.rank, info.world_size, groups)
     return 0
 
 
