@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -56,6 +56,7 @@ from hpc.sync._plan import (
     reachable_leaves,
     trainable,
 )
+from hpc.sync._users import Users, check_own_row, users_matrix
 
 __all__ = ["sync_gradients", "GradSync"]
 
@@ -65,9 +66,6 @@ logger = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 ModuleOrParams = Union[torch.nn.Module, Iterable[torch.Tensor]]
-#: Who used what, passed by the caller: one iterable of parameters per rank, or a
-#: ``(world_size, n_params)`` bool/integer tensor (columns in parameter order).
-Users = Union[torch.Tensor, Sequence[Iterable[torch.Tensor]]]
 
 
 @dataclass
@@ -238,18 +236,10 @@ class GradSync:
                overlap: bool = False) -> _Step:
         """A step whose usage the caller passed: checked, planned, no agreement round."""
         self._check_once()
-        matrix = _users_matrix(users, ws, self._index, self.named)
+        matrix = users_matrix(users, ws, self._index, self.named)
         rank = dist.get_rank(self.group)
         row = matrix[rank]
-        missing = (mine.bool() & ~row.bool()).nonzero().flatten().tolist()
-        if missing:
-            raise HPCError(
-                f"sync_gradients: rank {rank} has a gradient for "
-                f"{self.named[missing[0]][0]!r} ({len(missing)} parameter(s) in all) "
-                f"that users[{rank}] does not list.\nThe other ranks plan from users, so "
-                "that gradient would be left out of the mean.\nHINT: compute users from "
-                "the same paths forward() used on every rank, or leave users out to "
-                "exchange them (one extra round trip).")
+        check_own_row(mine, row, rank, self.named)
         if not self._users_checked:
             if not same_on_all_ranks(matrix.numpy().tobytes(), self.group):
                 raise HPCError(
@@ -454,42 +444,6 @@ def _key(p: torch.Tensor, comm_dtype: Optional[torch.dtype]) -> tuple[Any, ...]:
     if comm_dtype is not None and p.dtype == torch.float32:
         return (p.device, comm_dtype, p.dtype)
     return (p.device, p.dtype)
-
-
-def _users_matrix(users: Users, ws: int, index: dict[int, int],
-                  named: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """``users`` as a ``(ws, n)`` uint8 CPU tensor; HPCError when malformed."""
-    n = len(named)
-    if isinstance(users, torch.Tensor):
-        if tuple(users.shape) != (ws, n) or users.is_floating_point():
-            raise HPCError(
-                f"sync_gradients: users is a {users.dtype} tensor of shape "
-                f"{tuple(users.shape)}; the tensor form needs ({ws}, {n}) (world size x "
-                "parameters), bool or integer.\nHINT: one row per rank, one column per "
-                "parameter in parameters() order, or pass one iterable of parameters "
-                "per rank.")
-        return users.detach().to("cpu").ne(0).to(torch.uint8)
-    rows = list(users)
-    if len(rows) != ws:
-        raise HPCError(
-            f"sync_gradients: users has {len(rows)} entries for a world size of {ws}.\n"
-            "It needs one iterable of used parameters per rank, in rank order.\nHINT: "
-            "build it with one entry for every rank of the group.")
-    out = torch.zeros(ws, n, dtype=torch.uint8)
-    for r, row in enumerate(rows):
-        cols = []
-        for t in row:
-            i = index.get(id(t))
-            if i is None:
-                raise HPCError(
-                    f"sync_gradients: users[{r}] holds a tensor of shape "
-                    f"{tuple(t.shape)} that is not one of the {n} parameters being "
-                    "synced.\nOnly trainable parameters of the synced module count.\n"
-                    "HINT: list the module's own parameters (requires_grad=True), not "
-                    "copies or buffers.")
-            cols.append(i)
-        out[r, cols] = 1
-    return out
 
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:

@@ -8,6 +8,7 @@ import torch
 from hpc.errors import HPCError
 from hpc.sync import grads
 from hpc.sync._collective import same_on_all_ranks
+from hpc.sync._users import check_own_row, users_matrix
 
 
 def _setup() -> tuple[torch.nn.Module, dict[int, int], list[tuple[str, torch.Tensor]]]:
@@ -20,11 +21,11 @@ def test_users_from_parameter_lists_and_from_a_tensor_agree() -> None:
     net, index, named = _setup()
     first, second = net[0], net[1]
     lists = [[first.weight, first.bias], [second.weight, first.weight]]
-    m = grads._users_matrix(lists, 2, index, named)
+    m = users_matrix(lists, 2, index, named)
     assert m.dtype == torch.uint8 and m.tolist() == [[1, 1, 0, 0], [1, 0, 1, 0]]
     as_bool = torch.tensor([[True, True, False, False], [True, False, True, False]])
-    assert torch.equal(grads._users_matrix(as_bool, 2, index, named), m)
-    assert torch.equal(grads._users_matrix(as_bool.int() * 7, 2, index, named), m)
+    assert torch.equal(users_matrix(as_bool, 2, index, named), m)
+    assert torch.equal(users_matrix(as_bool.int() * 7, 2, index, named), m)
 
 
 @pytest.mark.parametrize("users,message", [
@@ -37,7 +38,7 @@ def test_users_from_parameter_lists_and_from_a_tensor_agree() -> None:
 def test_malformed_users_are_refused_with_a_hint(users: object, message: str) -> None:
     _, index, named = _setup()
     with pytest.raises(HPCError, match="HINT:") as err:
-        grads._users_matrix(users, 2, index, named)  # type: ignore[arg-type]
+        users_matrix(users, 2, index, named)  # type: ignore[arg-type]
     assert message in str(err.value)
 
 
@@ -65,3 +66,11 @@ def test_users_is_data_not_a_cached_option() -> None:
 
 def test_same_on_all_ranks_is_true_without_a_process_group() -> None:
     assert same_on_all_ranks(b"anything")
+
+
+def test_an_omitted_gradient_is_refused_a_listed_missing_one_is_not() -> None:
+    _, _, named = _setup()
+    mine = torch.tensor([1, 1, 0, 0], dtype=torch.uint8)
+    check_own_row(mine, torch.tensor([1, 1, 1, 0], dtype=torch.uint8), 0, named)
+    with pytest.raises(HPCError, match=r"rank 1 has a gradient for '0.bias' \(1 "):
+        check_own_row(mine, torch.tensor([1, 0, 1, 1], dtype=torch.uint8), 1, named)
