@@ -289,6 +289,16 @@ class _Run:
                         self.last_ckpt)
         return stop
 
+    def _users(self, arch: Any) -> Optional[list[list[nn.Parameter]]]:
+        """Every rank's used parameters this step, when the space can tell
+        (``used_parameters``): archs are a pure function of (seed, rank, step), so the
+        sync skips its agreement round. None otherwise (the sync exchanges them)."""
+        used = getattr(self.space, "used_parameters", None)
+        if used is None or self.world < 2:
+            return None
+        return [used(arch if r == self.rank else self.space.sample(
+            arch_generator(self.cfg.seed, r, self.step))) for r in range(self.world)]
+
     def _step(self, idx: torch.Tensor, stop_requested: Optional[Callable[[], bool]]
               ) -> tuple[StepStats, float]:
         """One optimizer step on batch ``idx``: the step's reduced stats and its LR."""
@@ -301,7 +311,7 @@ class _Run:
         out = space(xb, arch)
         loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
         loss.backward()
-        hpc.sync_gradients(space)
+        hpc.sync_gradients(space, self._users(arch))
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]
         self.scheduler.step()

@@ -131,6 +131,14 @@ class Supernet(nn.Module):
         """Readable name of ``arch``, e.g. ``conv3x3-identity-conv5x5-sepconv3x3``."""
         return "-".join(self.candidates[i] for i in arch)
 
+    def used_parameters(self, arch: Sequence[int]) -> list[nn.Parameter]:
+        """The parameters ``forward(x, arch)`` uses (lets every rank compute every
+        rank's, so :func:`hpc.sync_gradients` can skip its agreement round)."""
+        used = [*self.stem.parameters(), *self.head.parameters()]
+        for block, choice in zip(self.blocks, arch):
+            used += block[choice].parameters()
+        return used
+
     def forward(self, x: Tensor, arch: Sequence[int]) -> Tensor:  # type: ignore[override]
         """Logits of the sub-network ``arch``."""
         if len(arch) != len(self.blocks):

@@ -154,3 +154,16 @@ def test_cli_parser_matches_the_config() -> None:
         ["pretrain", "--epochs", "3", "--no-out", "--no-resume", "--max-steps", "9"]))
     assert (cfg.epochs, cfg.out, cfg.resume, cfg.max_steps) == (3, None, "never", 9)
     assert config_from_args(parser.parse_args(["pretrain", "--resume"])).resume == "auto"
+
+
+def test_used_parameters_are_exactly_those_that_get_gradients() -> None:
+    """What the loop passes to sync_gradients as users must match autograd's view."""
+    from hpc.pretrain.space import Supernet, arch_generator
+    space = Supernet(width=8, blocks=4)
+    x = torch.randn(2, 1, 8, 8)
+    for step in range(6):
+        arch = space.sample(arch_generator(0, 1, step))
+        space.zero_grad(set_to_none=True)
+        space(x, arch).sum().backward()
+        got = {id(p) for p in space.parameters() if p.grad is not None}
+        assert {id(p) for p in space.used_parameters(arch)} == got, arch
