@@ -9,13 +9,14 @@ from, and refuse what cannot be right locally.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import Any, Optional, Union
 
 import torch
 
 from hpc.errors import HPCError
+from hpc.sync._collective import same_on_all_ranks
 
-__all__ = ["Users", "users_matrix", "check_own_row"]
+__all__ = ["Users", "check_agreed", "check_own_row", "users_matrix"]
 
 #: Who used what, passed by the caller: one iterable of parameters per rank, or a
 #: ``(world_size, n_params)`` bool/integer tensor (columns in parameter order).
@@ -73,3 +74,18 @@ def check_own_row(mine: torch.Tensor, row: torch.Tensor, rank: int,
             "The other ranks plan from users, so that gradient would be left out of the "
             "mean.\nHINT: compute users from the same paths forward() used on every "
             "rank, or leave users out to exchange them (one extra round trip).")
+
+
+def check_agreed(matrix: torch.Tensor, group: Optional[Any] = None) -> None:
+    """Raise HPCError on every rank unless all ranks passed the same ``matrix``.
+
+    Collective (one hash ``all_reduce``); :class:`hpc.sync.GradSync` runs it on its
+    first call with ``users``.
+    """
+    if not same_on_all_ranks(matrix.numpy().tobytes(), group):
+        raise HPCError(
+            "sync_gradients: ranks passed different users on their first call "
+            "with users=.\nEvery rank plans its collectives from users, so "
+            "different values would pair mismatched buckets.\nHINT: compute "
+            "every rank's row the same way on every rank (e.g. from the seed, "
+            "that rank's number and the step).")

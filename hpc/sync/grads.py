@@ -6,24 +6,19 @@ communication with it. Afterwards every parameter's ``.grad`` is the mean over r
 where a rank that did not use a parameter contributes zero; a parameter no rank used
 keeps ``grad=None`` and is not sent. Results are bitwise equal on every rank.
 
-One step (see ``docs/sync.md``):
+One step (details and measurements in ``docs/sync.md``):
 
 1. *Agreement*: one ``all_gather`` of a uint8 vector (1 = this rank has a gradient),
-   so every rank knows who used what (``n_params * world_size`` bytes).
-2. A parameter used by exactly one rank is *broadcast by its owner* (half the bytes of
-   an all_reduce at world size 2); one used by two or more ranks goes into a bucketed
-   ``all_reduce``; one used by nobody is skipped. Collectives are issued
-   ``async_op=True`` as soon as their bucket is packed.
-3. The synced gradients are views into flat buffers (like DDP's
-   ``gradient_as_bucket_view``) that are reused once ``zero_grad()`` released them.
-4. The arithmetic is DDP's: each gradient is multiplied by ``1/world_size`` (the same
-   ``mul`` DDP's reducer runs), summed, and ``+0.0`` turns ``-0.0`` into ``+0.0`` as
-   DDP's zero-filled buckets do. A sum of at most two non-zero terms does not depend on
-   the summation order, so at world size 2 the result equals
-   ``DDP(find_unused_parameters=True)`` bit for bit. With three or more users of one
-   parameter the ring order of the collective depends on where the element sits in its
-   bucket; pass ``match_ddp=True`` to send such buckets in DDP's exact layout and get
-   DDP's bits at any world size (at the cost of DDP's bytes for those buckets).
+   skipped when the caller passes ``users``.
+2. A parameter used by exactly one rank is *broadcast by its owner* (half an
+   all_reduce's bytes at world size 2); one used by several goes into a bucketed
+   ``all_reduce``; one used by nobody is skipped. Buckets leave ``async_op=True`` as
+   soon as they are packed; synced gradients are views into reused flat buffers.
+3. The arithmetic is DDP's (``mul`` by ``1/world_size``, ``+0.0`` turning ``-0.0``
+   into ``+0.0``), and a sum of two terms does not depend on the order: at world size
+   2 the result equals ``DDP(find_unused_parameters=True)`` bit for bit. With three or
+   more users the ring order depends on the bucket layout; ``match_ddp=True`` sends
+   such buckets in DDP's layout to get DDP's bits at any world size.
 """
 
 from __future__ import annotations
@@ -45,18 +40,11 @@ from hpc.sync._collective import (
     active_world,
     check_same_tensors,
     comm_device,
-    same_on_all_ranks,
     start_bucket,
 )
-from hpc.sync._plan import (
-    Arena,
-    Bucket,
-    dense_layout,
-    make_plan,
-    reachable_leaves,
-    trainable,
-)
-from hpc.sync._users import Users, check_own_row, users_matrix
+from hpc.sync._pack import Layout
+from hpc.sync._plan import Arena, Bucket, make_plan, reachable_leaves, trainable
+from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 
 __all__ = ["sync_gradients", "GradSync"]
 
@@ -133,14 +121,8 @@ class GradSync:
         #: Figures of the last sync: parameters sent/skipped, bytes, collectives.
         self.stats: dict[str, int] = {}
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._numels = [p.numel() for p in self.params]
-        #: (device, dtype on the wire) per parameter: its bucket key.
-        self._keys = [_key(p, comm_dtype) for p in self.params]
-        self._itemsizes = [k[1].itemsize for k in self._keys]
-        #: Strides of a dense non-contiguous parameter (channels_last), else None: its
-        #: synced gradient keeps that layout, as DDP's bucket views do.
-        self._strides = [None if p.is_contiguous() or not dense_layout(p) else p.stride()
-                         for p in self.params]
+        self._layout = Layout(self.params, comm_dtype)
+        self._numels, self._itemsizes = self._layout.numels, self._layout.itemsizes
         self._arena = Arena()
         self._checked = False
         self._step: Optional[_Step] = None
@@ -241,13 +223,7 @@ class GradSync:
         row = matrix[rank]
         check_own_row(mine, row, rank, self.named)
         if not self._users_checked:
-            if not same_on_all_ranks(matrix.numpy().tobytes(), self.group):
-                raise HPCError(
-                    "sync_gradients: ranks passed different users on their first call "
-                    "with users=.\nEvery rank plans its collectives from users, so "
-                    "different values would pair mismatched buckets.\nHINT: compute "
-                    "every rank's row the same way on every rank (e.g. from the seed, "
-                    "that rank's number and the step).")
+            check_agreed(matrix, self.group)
             self._users_checked = True
         st = _Step(row.clone(), matrix, None, overlap=overlap)
         self._build(st)
@@ -270,15 +246,20 @@ class GradSync:
         n = len(self.params)
         order = range(n - 1, -1, -1) if st.overlap else range(n)
         st.counts = users.sum(0).tolist()
-        layout = self._ddp_layout() if self.match_ddp and ws > 2 else None
-        st.plan = make_plan(users, self._numels, self._keys, self._itemsizes, order,
+        layout = None
+        if self.match_ddp and ws > 2:  # DDP's bucket assignment, computed once
+            self._ddp_buckets = (self._ddp_buckets
+                                 or self._layout.ddp_buckets(self.bucket_bytes))
+            layout = self._ddp_buckets
+        st.plan = make_plan(users, self._numels, self._layout.keys, self._itemsizes, order,
                             self.overlap_bucket_bytes if st.overlap else self.bucket_bytes,
                             rank, layout)
         mine = st.mine.tolist()
         for b in st.plan:
             device, dtype = b.key[0], b.key[1]
-            cap = self._arena_capacity(b, st.overlap)
-            b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel, cap)
+            # capacity = the bucket planned, not the mode's limit (25 MiB: ~6x on CUDA)
+            b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel,
+                                      b.numel)
             for i, off in zip(b.idx, b.offsets):
                 st.where[i] = (b, off)
                 if b.kind == "mean" and not mine[i]:
@@ -288,60 +269,24 @@ class GradSync:
             self._pack(st, i, scale)
         st.ready = []
 
-    def _arena_capacity(self, b: Bucket, overlap: bool) -> int:
-        """Elements a new arena buffer for ``b`` reserves: the bucket actually planned.
-
-        Not the mode's bucket limit: in overlap mode a 4 KiB bias bucket would reserve
-        4 MiB, and sizing every overlap bucket by :meth:`sync`'s 25 MiB reserved about
-        6x the gradient bytes on CUDA (CPU never commits untouched pages). A later,
-        larger bucket allocates anew; the pool reuses best-fitting free buffers.
-        """
-        return b.numel
-
-    def _view(self, flat: torch.Tensor, off: int, i: int) -> torch.Tensor:
-        """Parameter ``i``'s slot in ``flat``, shaped (and strided) like the parameter."""
-        p = self.params[i]
-        strides = self._strides[i]
-        if strides is None:
-            return flat[off:off + self._numels[i]].view(p.shape)
-        return flat.as_strided(p.shape, strides, flat.storage_offset() + off)
-
     def _pack(self, st: _Step, i: int, scale: float) -> None:
         b, off = st.where[i]
-        dst = self._view(b.flat, off, i)
-        g = self.params[i].grad
-        if g is None:  # reachable, yet autograd produced nothing: contributes zero
-            dst.zero_()
-        elif g.device != dst.device:  # a CPU parameter under plain nccl: stage it
-            dst.copy_(g)
-            dst.mul_(scale)  # the same product as mul_out below, on the comm device
-        else:
-            torch.mul(g, scale, out=dst)  # DDP's reducer: mul_out(1/ws)
-        if g is not None and b.kind == "broadcast":
-            dst.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it (cache-hot)
+        self._layout.pack(b, off, i, scale)
         b.pending -= 1
         st.packed.add(i)
 
     def _pack_many(self, st: _Step, todo: list[int], scale: float) -> None:
-        """:meth:`_pack` for many parameters, fused: one ``_foreach_copy_`` and one
-        ``_foreach_mul_`` per bucket instead of a kernel per gradient (the same
-        products). Parameters without a gradient, on another device, or in a broadcast
-        bucket go one by one."""
-        fused: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        """:meth:`_pack` for many parameters, fused per bucket where it can be."""
+        fused = []
         for i in todo:
             b, off = st.where[i]
-            g = self.params[i].grad
-            if g is None or b.kind != "mean" or g.device != b.flat.device:
+            if not self._layout.fusable(b, i):
                 self._pack(st, i, scale)
                 continue
-            dsts, srcs = fused.setdefault(id(b), ([], []))
-            dsts.append(self._view(b.flat, off, i))
-            srcs.append(g)
+            fused.append((b, off, i))
             b.pending -= 1
             st.packed.add(i)
-        for dsts, srcs in fused.values():
-            torch._foreach_copy_(dsts, srcs)
-            torch._foreach_mul_(dsts, scale)
+        self._layout.pack_fused(fused, scale)
 
     def _launch_ready(self, st: _Step) -> None:
         """Issue the next buckets, in plan order, while they are fully packed."""
@@ -395,16 +340,13 @@ class GradSync:
             sent = 0
             for b in plan:
                 b.work.wait()
-                # Drop finished Work handles now: gloo Work objects that outlive the
-                # process group (kept until the next step or interpreter exit) can
-                # abort the process in their destructor.
-                b.work = None
-                flat = self._widen(b)
+                b.work = None  # no Work outlives the step (or the group, at exit)
+                flat = self._layout.widen(self._arena, b)
                 for i, off in zip(b.idx, b.offsets):
                     if b.exact and not st.counts[i]:
                         continue  # zeros of a DDP-layout bucket: nobody used it
                     p = self.params[i]
-                    view = self._view(flat, off, i)
+                    view = self._layout.view(flat, off, i)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
             self.stats = {"params_synced": sent, "params_skipped": len(self.params) - sent,
@@ -415,35 +357,6 @@ class GradSync:
         finally:
             self._arena.end_step()
 
-    def _widen(self, b: Bucket) -> torch.Tensor:
-        """``b``'s result in its parameters' dtype (one conversion under comm_dtype)."""
-        flat: torch.Tensor = b.flat  # type: ignore[assignment]  # set by _build
-        dtype = self.params[b.idx[0]].dtype
-        if flat.dtype == dtype:
-            return flat
-        out = self._arena.take(flat.device, dtype, b.numel, b.numel)
-        out.copy_(flat)
-        return out
-
-    def _ddp_layout(self) -> list[list[int]]:
-        """DDP's bucket assignment for these parameters (find_unused_parameters=True)."""
-        if self._ddp_buckets is None:
-            limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes]
-            indices, _ = dist._compute_bucket_assignment_by_size(
-                self.params, limits, [False] * len(self.params))
-            self._ddp_buckets = [list(b) for b in reversed(indices)]
-        return self._ddp_buckets
-
-
-def _key(p: torch.Tensor, comm_dtype: Optional[torch.dtype]) -> tuple[Any, ...]:
-    """Bucket key of ``p``: (device, dtype on the wire[, its own dtype when it differs]).
-
-    ``comm_dtype`` applies to float32 parameters only; the third entry keeps them out
-    of the buckets of parameters that are natively of ``comm_dtype``.
-    """
-    if comm_dtype is not None and p.dtype == torch.float32:
-        return (p.device, comm_dtype, p.dtype)
-    return (p.device, p.dtype)
 
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
@@ -480,8 +393,7 @@ def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = No
     if isinstance(module_or_params, torch.nn.Module) and group is None:
         cached = _CACHE.get(module_or_params)
         if cached is None or cached[0] != options:
-            cached = _CACHE[module_or_params] = (options, GradSync(module_or_params,
-                                                                   **options))
+            cached = _CACHE[module_or_params] = (options, GradSync(module_or_params, **options))
         cached[1].sync(users)
         return
     GradSync(module_or_params, **options).sync(users)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpc.errors import HPCError
-from hpc.sync import grads
+from hpc.sync import _pack, grads
 from hpc.sync._collective import same_on_all_ranks
 from hpc.sync._users import check_own_row, users_matrix
 
@@ -46,10 +46,10 @@ def test_comm_dtype_applies_to_float32_only_and_keeps_its_own_buckets() -> None:
     f32, bf16, f64 = (torch.zeros(1, dtype=d) for d in
                       (torch.float32, torch.bfloat16, torch.float64))
     cpu = torch.device("cpu")
-    assert grads._key(f32, None) == (cpu, torch.float32)
-    assert grads._key(f32, torch.bfloat16) == (cpu, torch.bfloat16, torch.float32)
-    assert grads._key(bf16, torch.bfloat16) == (cpu, torch.bfloat16)  # not mixed in
-    assert grads._key(f64, torch.bfloat16) == (cpu, torch.float64)
+    assert _pack.bucket_key(f32, None) == (cpu, torch.float32)
+    assert _pack.bucket_key(f32, torch.bfloat16) == (cpu, torch.bfloat16, torch.float32)
+    assert _pack.bucket_key(bf16, torch.bfloat16) == (cpu, torch.bfloat16)  # not mixed in
+    assert _pack.bucket_key(f64, torch.bfloat16) == (cpu, torch.float64)
 
 
 def test_unsupported_comm_dtype_is_refused() -> None:
