@@ -156,9 +156,14 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and the tracking (at teardown)."""
+        """Stop the tracking and the thread, and join it (at teardown): a daemon thread
+        in a store call at finalization dies by ``pthread_exit`` in C++ frames, which
+        calls ``std::terminate`` (SIGABRT after a clean run)."""
         self._stop.set()
         tracker.uninstall()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STORE_TIMEOUT + POLL)
 
     def _loop(self) -> None:
         lost_since: float | None = None

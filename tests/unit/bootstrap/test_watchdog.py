@@ -214,3 +214,37 @@ def test_gather_fills_in_silent_ranks_from_the_store(monkeypatch: pytest.MonkeyP
                           "completed": 3, "op": "all_reduce", "since": entries[1]["since"]}
     assert entries[2]["host"] == "node3" and entries[0]["answered"]
     assert report.culprits(entries) == [1]
+
+
+def test_stop_waits_for_a_thread_inside_a_store_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watchdog thread left inside a store call at interpreter exit dies by pthread_exit
+    in C++ frames (std::terminate, SIGABRT after a clean run): stop() must join it."""
+    dist = pytest.importorskip("torch.distributed")
+    inner = dist.HashStore()
+    in_call = threading.Event()
+
+    class SlowStore:  # every add() of the thread's ticks takes 0.4 s
+        slow = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def add(self, key: str, n: int) -> int:
+            if self.slow:
+                in_call.set()
+                time.sleep(0.4)
+            return int(inner.add(key, n))
+
+    store = SlowStore()
+    monkeypatch.setattr(watchdog, "POLL", 0.01)
+    dog = watchdog.Watchdog(DistInfo(launcher="local", rank=1, world_size=2),
+                            lambda t: store, 10.0, {})
+    dog.start()
+    try:
+        store.slow = True
+        assert in_call.wait(5)
+    finally:
+        t0 = time.monotonic()
+        dog.stop()
+    assert dog._thread is not None and not dog._thread.is_alive()
+    assert time.monotonic() - t0 > 0.1  # it did wait for the call in progress
