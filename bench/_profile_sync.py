@@ -5,7 +5,8 @@ the phases nested in it) and runs the benchmark's training loop:
 
 * ``agreement``   issuing and waiting for the all_gather of who used what;
 * ``plan``        planning buckets, taking buffers, zero-filling (``_build``);
-* ``pack``        ``grad * (1/ws)`` into the flat buffers (``_pack``);
+* ``pack``        ``grad * (1/ws)`` into the flat buffers (``_pack``, and the fused
+  ``_foreach`` packing of ``_pack_many``);
 * ``issue``       issuing the collectives (``_launch_ready``);
 * ``wait``        waiting for them (transfer time not hidden behind other work);
 * ``rest``        the remainder of ``sync``: pointing ``.grad`` at the results, stats,
@@ -75,6 +76,7 @@ def _instrument(gs: hpc.GradSync, t: _Timers, users: bool) -> None:
     gs._begin = t.wrap("agreement", gs._begin)  # type: ignore[method-assign]
     gs._build = t.wrap("plan", gs._build)  # type: ignore[method-assign]
     gs._pack = t.wrap("pack", gs._pack)  # type: ignore[method-assign]
+    gs._pack_many = t.wrap("pack", gs._pack_many)  # type: ignore[method-assign]
     gs._launch_ready = t.wrap("issue", gs._launch_ready)  # type: ignore[method-assign]
     gs.sync = t.wrap("rest", gs.sync)  # type: ignore[method-assign]
 
