@@ -10,7 +10,7 @@ widening a ``comm_dtype`` result. :func:`hpc.sync.grads` keeps the step's contro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from hpc.sync._plan import Arena, Bucket, dense_layout
 __all__ = ["Layout", "bucket_key"]
 
 
-def bucket_key(p: torch.Tensor, comm_dtype: Optional[torch.dtype]) -> tuple[Any, ...]:
+def bucket_key(p: torch.Tensor, comm_dtype: torch.dtype | None) -> tuple[Any, ...]:
     """Bucket key of ``p``: (device, dtype on the wire[, its own dtype when it differs]).
 
     ``comm_dtype`` applies to float32 parameters only; the third entry keeps them out
@@ -40,7 +40,7 @@ class Layout:
     """
 
     def __init__(self, params: Sequence[torch.Tensor],
-                 comm_dtype: Optional[torch.dtype]) -> None:
+                 comm_dtype: torch.dtype | None) -> None:
         self.params = list(params)
         self.numels = [p.numel() for p in self.params]
         #: (device, dtype on the wire) per parameter: its bucket key.

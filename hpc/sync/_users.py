@@ -9,7 +9,7 @@ from, and refuse what cannot be right locally.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
@@ -76,7 +76,7 @@ def check_own_row(mine: torch.Tensor, row: torch.Tensor, rank: int,
             "rank, or leave users out to exchange them (one extra round trip).")
 
 
-def check_agreed(matrix: torch.Tensor, group: Optional[Any] = None) -> None:
+def check_agreed(matrix: torch.Tensor, group: Any | None = None) -> None:
     """Raise HPCError on every rank unless all ranks passed the same ``matrix``.
 
     Collective (one hash ``all_reduce``); :class:`hpc.sync.GradSync` runs it on its
