@@ -20,7 +20,7 @@ __all__ = ["Users", "check_agreed", "check_own_row", "users_matrix"]
 
 #: Who used what, passed by the caller: one iterable of parameters per rank, or a
 #: ``(world_size, n_params)`` bool/integer tensor (columns in parameter order).
-Users = Union[torch.Tensor, Sequence[Iterable[torch.Tensor]]]
+Users = Union[torch.Tensor, Sequence[Iterable[torch.Tensor]]]  # noqa: UP007 (runtime, 3.9)
 
 
 def users_matrix(users: Users, ws: int, index: dict[int, int],
