@@ -71,14 +71,17 @@ _LOCK = threading.Lock()
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
-def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str) -> bool:
-    """True when the call runs on the default group (``group=None`` or WORLD)."""
-    import torch.distributed as dist
+def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str,
+              members: Any) -> bool:
+    """True when the call runs on the default group (``group=None`` or WORLD).
 
+    ``members`` is the module's ``GroupMember`` (None for a module without one); its
+    ``WORLD`` is read at each call, since ``init_process_group`` replaces it.
+    """
     group = kwargs.get("group")
     if group is None and name == "barrier" and args:
         group = args[0]
-    return group is None or group is dist.GroupMember.WORLD
+    return group is None or (members is not None and group is members.WORLD)
 
 
 def _complete(progress: Progress, seq: int) -> None:
@@ -110,10 +113,10 @@ def _watch_future(progress: Progress, seq: int, name: str, work: Any,
 
 
 def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
-          on_failure: OnFailure) -> Callable[..., Any]:
+          on_failure: OnFailure, members: Any) -> Callable[..., Any]:
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if not _is_world(kwargs, args, name):
+        if not _is_world(kwargs, args, name, members):
             return fn(*args, **kwargs)
         with _LOCK:
             progress.entered += 1
@@ -145,12 +148,13 @@ def install(progress: Progress, on_failure: OnFailure,
     if module is None:
         import torch.distributed as module  # type: ignore[no-redef]
     uninstall(module)
+    members = getattr(module, "GroupMember", None)  # looked up once, not per collective
     for name in COLLECTIVES:
         fn = getattr(module, name, None)
         if fn is None:
             continue
         _ORIGINALS[name] = fn
-        setattr(module, name, _wrap(name, fn, progress, on_failure))
+        setattr(module, name, _wrap(name, fn, progress, on_failure, members))
 
 
 def uninstall(module: Any | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import types
@@ -121,6 +122,24 @@ def test_tracker_counts_world_collectives_only() -> None:
     finally:
         tracker.uninstall(module)
     assert not hasattr(module.all_reduce, "__hpc_tracked__")
+
+
+def test_tracker_reads_world_from_the_module_it_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No import of torch.distributed per collective; WORLD is read at each call (init
+    replaces it after install)."""
+    module = _fake_dist()
+    module.GroupMember = types.SimpleNamespace(WORLD=None)
+    progress = tracker.Progress()
+    tracker.install(progress, lambda *a: None, module)
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)  # importing it now fails
+    try:
+        module.GroupMember.WORLD = world = object()
+        module.all_reduce(1, group=world)
+        module.barrier(world)
+        module.all_reduce(1, group=object())
+        assert (progress.entered, progress.completed) == (2, 2)
+    finally:
+        tracker.uninstall(module)
 
 
 def test_tracker_raises_what_the_failure_callback_returns() -> None:
