@@ -6,6 +6,10 @@ every rank. ``console="global"`` (or ``HPC_LOG_CONSOLE=global``) keeps INFO to t
 global master alone: each line once per job. Every line carries a ``[rank r/w host]``
 prefix, except on the console under ``hpc run``, which prefixes lines itself
 (``HPC_RUN_PREFIXED=1``); the global master alone writes the optional log file.
+
+With a run directory (``rank_log_dir=``, default ``HPC_LOG_DIR``) every rank also writes
+all its lines at ``level`` to ``rank<r>.log`` there (appended to across requeues), so a
+warning of rank 37 is found without searching the interleaved console output.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ def _console_level(info: DistInfo, level: int, console: str | None,
 def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
                   log_file: str | Path | None = None,
                   logger_name: str = "", console: str | None = None,
-                  environ: Mapping[str, str] | None = None) -> logging.Logger:
+                  environ: Mapping[str, str] | None = None,
+                  rank_log_dir: str | Path | None = None) -> logging.Logger:
     """Configure console (and, on the global master, file) logging for this rank.
 
     Args:
@@ -66,6 +71,8 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
         console: ``"local"`` (each node's local rank 0, the default) or ``"global"``
             (global rank 0 only); default ``HPC_LOG_CONSOLE`` or ``"local"``.
         environ: Variables to read (default ``os.environ``).
+        rank_log_dir: Every rank writes ``rank<r>.log`` there, at ``level`` (default
+            ``HPC_LOG_DIR``; ``""``: no per-rank files).
 
     Calling it again replaces the handlers it added before.
 
@@ -81,6 +88,7 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
     root = logging.getLogger(logger_name)
     for h in _HANDLERS:
         root.removeHandler(h)
+        h.close()  # the log files
     _HANDLERS.clear()
     fmt = logging.Formatter("%(asctime)s [%(rankinfo)s] %(levelname)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
@@ -99,6 +107,13 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
         file_handler.setLevel(level)
         file_handler.setFormatter(fmt)
         _HANDLERS.append(file_handler)
+    per_rank = env.get("HPC_LOG_DIR", "") if rank_log_dir is None else rank_log_dir
+    if per_rank:
+        Path(per_rank).mkdir(parents=True, exist_ok=True)
+        rank_handler = logging.FileHandler(Path(per_rank) / f"rank{info.rank}.log")
+        rank_handler.setLevel(level)
+        rank_handler.setFormatter(fmt)
+        _HANDLERS.append(rank_handler)
     for h in _HANDLERS:
         h.addFilter(rank_filter)
         root.addHandler(h)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,26 @@ def test_one_rank_prefix_under_hpc_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "[rank 0/4 " in out
     out = _console(monkeypatch, _info(0, 0), environ={"HPC_RUN_PREFIXED": "1"})
     assert "epoch 1 done" in out and "[rank" not in out
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_every_rank_writes_its_own_log_in_the_run_directory(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str) -> None:
+    run_dir = tmp_path / "run"
+    for rank, local in ((0, 0), (3, 1)):
+        kwargs = {"environ": {"HPC_LOG_DIR": str(run_dir)}} if how == "env" else \
+            {"environ": {}, "rank_log_dir": run_dir}
+        _console(monkeypatch, _info(rank, local), **kwargs)
+    mine = (run_dir / "rank3.log").read_text()
+    # rank 3 is no local master: no INFO on the console, but all of it in its own file
+    assert "[rank 3/4 " in mine and "INFO hpc.test.log.x: epoch 1 done" in mine
+    assert "WARNING hpc.test.log.x: slow rank" in mine and "rank 0/4" not in mine
+    assert "[rank 0/4 " in (run_dir / "rank0.log").read_text()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.log", "rank3.log"]
+
+
+def test_no_rank_log_without_a_run_directory(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    _console(monkeypatch, _info(1, 1), environ={"HPC_LOG_DIR": "x"}, rank_log_dir="")
+    assert not list(tmp_path.iterdir())
