@@ -231,8 +231,12 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
             from hpc.bootstrap import gpubind
 
             gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
+        from hpc.bootstrap import network
+
+        pinned = network.pin_interface(info.master_addr, os.environ, info.local_rank,
+                                       network.mode(env))
         store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
-                                    backend=backend)
+                                    backend=backend, pinned=pinned)
     kwargs: dict[str, Any] = {}
     if nccl and device_id_supported(torch.__version__):
         kwargs["device_id"] = dev  # eager NCCL init; see hpc.bootstrap.backend

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from hpc.bootstrap import gpubind
+from hpc.bootstrap import gpubind, network
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
 
@@ -79,11 +79,16 @@ def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> No
 def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
               environ: Mapping[str, str] | None = None,
               gpu: gpubind.GpuClaim | None = None,
-              backend: str | None = None) -> Any:
+              backend: str | None = None,
+              pinned: Mapping[str, str] | None = None) -> Any:
     """Bring every rank together on rank 0's TCPStore and return the store.
 
     ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
     ``backend`` is the backend this rank picked; rank 0 refuses a mix (None: unchecked).
+    Each node's local rank 0 publishes its network (:mod:`hpc.bootstrap.network`;
+    ``pinned``: the interface variables :func:`~hpc.bootstrap.network.pin_interface`
+    set), and rank 0 refuses a multi-node run whose network is broken, unless
+    ``HPC_NETWORK=off``.
     The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
     unique id through it, so what was left of the pre-flight window must not apply.
 
@@ -94,8 +99,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     Raises:
         RendezvousError: the master is unreachable, its port is taken, a rank is
             missing at the deadline, or two processes claim the same rank.
-        LaunchEnvironmentError: two ranks would share one GPU under nccl, or ranks
-            picked different backends (every rank).
+        LaunchEnvironmentError: two ranks would share one GPU under nccl, ranks
+            picked different backends, or the nodes' network is broken (every rank).
     """
     addr, port = info.master_addr, info.master_port
     assert addr and port, "resolve_master() runs first"
@@ -103,9 +108,13 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
     store = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
+    checked = network.mode(env) != "off"
+    if checked and info.local_rank == 0:  # one report per node
+        slot = store.add("hpc/pf/net/n", 1)
+        store.set(f"hpc/pf/net/{slot}", json.dumps(network.local_report(os.environ, pinned)))
     _join(store, info, gpu, backend)
     if info.rank == 0:
-        _master_wait(store, info, addr, port, deadline, start, backend)
+        _master_wait(store, info, addr, port, deadline, start, backend, checked)
     else:
         _worker_wait(store, info, addr, port, deadline + 10.0)
     store.set_timeout(pg_timeout)  # torch resets it only for stores it makes itself
@@ -189,7 +198,8 @@ def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
 
 
 def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
-                 deadline: float, start: float, backend: str | None = None) -> None:
+                 deadline: float, start: float, backend: str | None = None,
+                 checked: bool = False) -> None:
     keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=max(0.01, deadline - time.monotonic())))
@@ -212,6 +222,10 @@ def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
         _abort(store, "abort-launch:" + str(mixed), info.world_size - 1)
         raise mixed
     shared = gpubind.find_shared(store)
+    if shared is None and checked:
+        nodes = int(store.add("hpc/pf/net/n", 0))
+        shared = network.check([json.loads(store.get(f"hpc/pf/net/{i}").decode())
+                                for i in range(1, nodes + 1)], backend)
     if shared is not None:
         _abort(store, "abort-launch:" + str(shared), info.world_size - 1)
         raise shared

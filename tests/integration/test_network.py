@@ -1,0 +1,132 @@
+"""Interface discovery on the real 2-node test cluster (issue 15, part 4).
+
+node2 gets a second interface for the module (a veth pair ``hpcd15a``/``hpcd15b``
+inside its network namespace, ``hpcd15a`` on 10.201.0.0/24, removed afterwards; no
+``dummy`` device: the sandbox kernel here has none), so that picking the interface that
+reaches the master is a real choice: a wrong one (the dummy) would make gloo advertise an
+address node1 cannot reach. One test also makes node2's hostname resolve to 127.0.1.1
+(a private mount namespace with another /etc/hosts for that task only), the classic
+Debian ``/etc/hosts`` that makes a multi-node gloo job connect to itself.
+
+Run::
+
+    flock /tmp/hpc-heavy.lock timeout 900 python -m pytest -m slurm tests/integration/test_network.py
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import require, require_slurm, script, slurm_env
+from tests.integration.test_slurm import run
+
+pytestmark = pytest.mark.slurm
+
+SECOND, PEER, SECOND_IP = "hpcd15a", "hpcd15b", "10.201.0.12/24"
+PROBE = [sys.executable, script("net_probe.py")]
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "-n", "hpc-node2", *args], check=False, capture_output=True,
+                          text=True, timeout=20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def second_interface() -> Iterator[None]:
+    """node2 with a second, up interface on a subnet of its own."""
+    require_slurm()
+    require("ip", "iproute2")
+    if _ip("link", "show").returncode != 0:
+        pytest.skip("no network namespace hpc-node2 (bin/hpc-testcluster up makes it)")
+    _ip("link", "del", SECOND)
+    for args in (("link", "add", SECOND, "type", "veth", "peer", "name", PEER),
+                 ("addr", "add", SECOND_IP, "dev", SECOND), ("link", "set", PEER, "up"),
+                 ("link", "set", SECOND, "up")):
+        done = _ip(*args)
+        assert done.returncode == 0, done.stderr
+    try:
+        yield
+    finally:
+        _ip("link", "del", SECOND)  # its peer goes with it
+
+
+@pytest.fixture
+def job() -> Iterator[str]:
+    """A unique job name; jobs still running under it are cancelled after the test."""
+    name = f"hpct-net-{uuid.uuid4().hex[:8]}"
+    yield name
+    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
+
+
+def _lines(out: str) -> dict[int, dict[str, str]]:
+    found = {}
+    for line in out.splitlines():
+        if "net rank=" in line:
+            fields = dict(kv.split("=", 1) for kv in line.split("net ", 1)[1].split())
+            found[int(fields["rank"])] = fields
+    return found
+
+
+def test_the_interface_that_reaches_the_master_is_pinned(job: str, tmp_path: Path) -> None:
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", *PROBE], job, tmp_path, slurm_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _lines(proc.stdout)
+    assert sorted(ranks) == [0, 1], proc.stdout
+    assert ranks[1]["host"] == "node2" and SECOND in ranks[1]["ifaces"].split(","), ranks
+    for r in ranks.values():
+        assert r["sum"] == "3"
+        assert r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == "eth0", r
+
+
+def test_print_mode_sets_nothing_and_a_hand_set_interface_wins(job: str, tmp_path: Path) -> None:
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", *PROBE], job, tmp_path,
+               slurm_env(HPC_NETWORK="print", NCCL_SOCKET_IFNAME="eth0"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _lines(proc.stdout)
+    assert {r["GLOO_SOCKET_IFNAME"] for r in ranks.values()} == {"-"}, ranks
+    assert {r["NCCL_SOCKET_IFNAME"] for r in ranks.values()} == {"eth0"}
+    printed = re.findall(r"reachable over (\S+) only; to pin it: export (.*)", proc.stderr)
+    assert printed == [("eth0", "GLOO_SOCKET_IFNAME=eth0")] * 2, proc.stderr
+
+
+def _bad_hosts(tmp: Path) -> list[str]:
+    """The command prefix that runs node2's task with node2 -> 127.0.1.1 in /etc/hosts."""
+    hosts = tmp / "hosts.node2-loopback"
+    hosts.write_text("127.0.0.1 localhost\n127.0.1.1 node2\n10.200.0.11 node1\n"
+                     "::ffff:10.200.0.11 node1\n")
+    wrapper = tmp / "loopback-node2.sh"
+    wrapper.write_text(
+        '#!/bin/sh\nif [ "$(hostname)" = node2 ]; then\n'
+        '  exec unshare --mount sh -c \'mount --bind "$0" /etc/hosts && exec "$@"\' '
+        f'{hosts} "$@"\nfi\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    return [str(wrapper)]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare missing")
+def test_hostname_resolving_to_loopback(job: str, tmp_path: Path) -> None:
+    wrap = _bad_hosts(tmp_path)
+    refused = run(["srun", "-N2", "--ntasks-per-node=1", *wrap, *PROBE], job, tmp_path,
+                  slurm_env(HPC_NETWORK="print"))
+    assert refused.returncode != 0
+    assert "the hostname of 1 node(s) resolves to a loopback address: node2 -> 127.0.1.1" \
+        in refused.stderr, refused.stderr
+    assert "HINT: export GLOO_SOCKET_IFNAME=" in refused.stderr
+    assert "rank 1: rank 0 aborted start-up" in refused.stderr  # node2 ends too
+    # 4 ranks: rank 0 and 1 connect to node2's ranks at the address gloo advertises
+    # for them, 127.0.1.1 without the pin ("Gloo connectFullMesh failed ... Connection
+    # refused, remote=[127.0.1.1]", see docs/troubleshooting.md); pinned, it works
+    fixed = run(["srun", "-N2", "--ntasks-per-node=2", *wrap, *PROBE], job, tmp_path,
+                slurm_env())
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    ranks = _lines(fixed.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3] and {r["sum"] for r in ranks.values()} == {"10"}
+    assert {r["GLOO_SOCKET_IFNAME"] for r in ranks.values()} == {"eth0"}
