@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from hpc.bootstrap.failure import GENERIC_MESSAGE, read_mark
+from hpc.bootstrap.failure import GENERIC_MESSAGE, first_failure, read_mark
 from hpc.environments.base import free_port
 
 __all__ = ["rank_env", "resolve_command", "run"]
@@ -326,12 +326,9 @@ class _Job:
             if mark and mark[1] != GENERIC_MESSAGE:
                 failed.append((rank, 1, now))
                 self.slow.add(rank)
-
-        def began(entry: Exit) -> float:
-            mark = read_mark(self.error_dir, entry[0])
-            return min(mark[0], entry[2]) if mark else entry[2]
-
-        return min(failed, key=began), failed
+        first = first_failure(self.error_dir, {r: t for r, _, t in failed}, ())
+        rank = first.rank if first else failed[0][0]  # every failed entry has a time
+        return next(e for e in failed if e[0] == rank), failed
 
     def _report(self, cause: tuple[Exit, list[Exit]]) -> int:
         (rank, code, _), failed = cause

@@ -23,18 +23,21 @@ are gone (pytorch/pytorch#141510).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import faulthandler
 import json
 import os
+import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["GENERIC_MESSAGE", "failed", "install", "note_failure", "read_mark", "watch",
-           "write_mark"]
+__all__ = ["GENERIC_MESSAGE", "FirstFailure", "failed", "first_failure", "install",
+           "note_failure", "read_mark", "watch", "write_mark"]
 
 #: The message of a mark written at exit (any exit: the launcher reads it only for
 #: ranks that failed, or that are still exiting when it chooses the root cause).
@@ -72,16 +75,17 @@ def watch() -> None:
     sys.excepthook = hook
 
 
-def _write(path: Path, message: str, when: Optional[float] = None) -> None:
+def _write(path: Path, message: str, when: float | None = None) -> None:
     if path.exists():
         return
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"time": time.time() if when is None else when,
-                               "message": message[-4000:]}))
+                               "message": message[-4000:], "host": socket.gethostname(),
+                               "pid": os.getpid()}))
     os.replace(tmp, path)
 
 
-def write_mark(directory: str, rank: int, message: str, when: Optional[float] = None) -> None:
+def write_mark(directory: str, rank: int, message: str, when: float | None = None) -> None:
     """Mark ``rank`` as failing since ``when`` (default now), unless it has a mark.
 
     The watchdog's reporter marks a stuck rank with the moment it stopped making
@@ -93,15 +97,20 @@ def write_mark(directory: str, rank: int, message: str, when: Optional[float] = 
         pass
 
 
-def install(rank: int, environ: Optional[dict[str, str]] = None) -> None:
+def install(rank: int, environ: dict[str, str] | None = None) -> None:
     """Record when this rank began to fail under ``$HPC_ERROR_DIR/<rank>.json``.
 
-    Idempotent; a no-op unless the launcher set ``HPC_ERROR_DIR``.
+    Idempotent; a no-op unless the launcher set ``HPC_ERROR_DIR`` (created if missing:
+    the sbatch templates name one per job in the submit directory).
     """
     directory = (environ or os.environ).get("HPC_ERROR_DIR")
     if not directory or _INSTALLED.get(directory):
         return
     _INSTALLED[directory] = True
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
     path = Path(directory) / f"{rank}.json"
     previous = sys.excepthook
 
@@ -143,3 +152,72 @@ def read_mark(directory: str, rank: int) -> tuple[float, str] | None:
     except OSError:
         pass
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstFailure:
+    """The rank whose failure began first (see :func:`first_failure`).
+
+    Attributes:
+        rank: The rank.
+        began: When its failure began (``time.time()``).
+        message: Its mark's message (:data:`GENERIC_MESSAGE` when it said nothing more).
+        host: Where it ran, from its mark ("" when unknown).
+        pid: Its process id, from its mark (0 when unknown).
+        running: True when it is not among the ranks seen to fail (still running, or
+            its exit was not reported), and is a candidate by its mark alone.
+    """
+
+    rank: int
+    began: float
+    message: str
+    host: str = ""
+    pid: int = 0
+    running: bool = False
+
+
+def _origin(directory: str, rank: int) -> tuple[str, int]:
+    try:
+        data = json.loads((Path(directory) / f"{rank}.json").read_text())
+        return str(data.get("host", "")), int(data.get("pid", 0))
+    except (OSError, ValueError):
+        return "", 0
+
+
+def _marked(directory: str) -> set[int]:
+    """Ranks with a mark (or a faulthandler file) in ``directory``."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    return {int(stem) for stem, _, ext in (n.partition(".") for n in names)
+            if stem.isdigit() and ext in ("json", "fault")}
+
+
+def first_failure(directory: str, failed: Mapping[int, float | None],
+                  ranks: Iterable[int] | None = None) -> FirstFailure | None:
+    """The one rule for "which rank failed first": the earliest start of a failure.
+
+    Candidates are the ranks seen to fail (``failed``: rank -> when, None when the time
+    is unknown, e.g. srun's ``task N: Exited`` lines) and every rank of ``ranks``
+    (default: every rank with a mark in ``directory``) whose mark says more than
+    :data:`GENERIC_MESSAGE` (an exception, the watchdog's "stuck" verdict): it may
+    still be running. A candidate's failure began at its mark,
+    or when it was seen to fail if that is earlier. None when no candidate has a time.
+    Used by ``hpc run`` and, through the shared run directory, ``hpc submit --wait``
+    and the sbatch templates (``hpc first-failure``).
+    """
+    best: FirstFailure | None = None
+    for rank in sorted(set(_marked(directory) if ranks is None else ranks) | set(failed)):
+        mark = read_mark(directory, rank)
+        if rank not in failed and (mark is None or mark[1] == GENERIC_MESSAGE):
+            continue
+        times = [t for t in (mark[0] if mark else None, failed.get(rank)) if t is not None]
+        if not times:
+            continue
+        began = min(times)
+        if best is None or began < best.began:
+            host, pid = _origin(directory, rank)
+            best = FirstFailure(rank, began, mark[1] if mark else GENERIC_MESSAGE, host, pid,
+                                rank not in failed)
+    return best

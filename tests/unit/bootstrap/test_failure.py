@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from hpc.bootstrap import failure
 from hpc.bootstrap.failure import read_mark
 from tests.helpers import ROOT
 
@@ -52,3 +54,29 @@ def test_failed_notes_uncaught_exceptions_and_entry_points() -> None:
     assert "FAILED False" in _python(code).stdout
     assert "FAILED True" in _python(code + "raise SystemError('x')\n").stdout
     assert "FAILED True" in _python(code + "failure.note_failure()\n").stdout
+
+
+def _mark(directory: Path, rank: int, when: float, message: str) -> None:
+    failure.write_mark(str(directory), rank, message, when)
+
+
+def test_first_failure_is_the_earliest_start_not_the_first_exit(tmp_path: Path) -> None:
+    _mark(tmp_path, 0, 105.0, "RuntimeError: Connection closed by peer")
+    _mark(tmp_path, 1, 100.0, "RuntimeError: rank 1 broke first")
+    _mark(tmp_path, 2, 101.0, failure.GENERIC_MESSAGE)  # exited, maybe with 0
+    # rank 0 was seen to fail first (exit at 106), rank 1 is still exiting
+    first = failure.first_failure(str(tmp_path), {0: 106.0}, [1, 2, 3])
+    assert first is not None
+    assert (first.rank, first.began, first.running) == (1, 100.0, True)
+    assert first.message == "RuntimeError: rank 1 broke first"
+    assert first.host == socket.gethostname() and first.pid == os.getpid()
+
+
+def test_first_failure_counts_a_generic_mark_only_for_ranks_seen_to_fail(tmp_path: Path) -> None:
+    _mark(tmp_path, 2, 99.0, failure.GENERIC_MESSAGE)
+    _mark(tmp_path, 3, 100.0, "ValueError: bad batch")
+    assert failure.first_failure(str(tmp_path), {}).rank == 3  # type: ignore[union-attr]
+    first = failure.first_failure(str(tmp_path), {2: None, 3: None})
+    assert first is not None and (first.rank, first.began) == (2, 99.0)
+    assert failure.first_failure(str(tmp_path / "none"), {5: None}) is None  # no time at all
+    assert failure.first_failure(str(tmp_path), {5: 98.0}).rank == 5  # type: ignore[union-attr]
