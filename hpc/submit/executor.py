@@ -65,6 +65,16 @@ def field_parameters(options: SubmitOptions) -> dict[str, Any]:
     return out
 
 
+def marks_dir(log_dir: str | Path, job_id: str = "${SLURM_JOB_ID}",
+              restart: str = "${SLURM_RESTART_COUNT:-0}") -> str:
+    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``.
+
+    With the defaults, the shell words the batch script expands; with a job id and a
+    restart count, the directory :class:`~hpc.submit.SubmittedJob` reads.
+    """
+    return f"{shlex.quote(str(Path(log_dir).resolve()))}/{job_id}/failures-{restart}"
+
+
 def make_executor(options: SubmitOptions) -> Any:
     """A submitit ``AutoExecutor`` (cluster ``slurm``) configured from ``options``."""
     options.validate()
@@ -91,7 +101,9 @@ def make_executor(options: SubmitOptions) -> Any:
         # submitit writes --signal=<its SUBMITIT_PREEMPT_SIGNAL>@delay; ours wins.
         slurm_additional_parameters={"signal": f"{sig}@{options.signal_delay_s}",
                                      "requeue": True, **parse_sbatch(options.sbatch)},
-        slurm_setup=[f"export {k}={shlex.quote(v)}" for k, v in env.items()],
+        # failure marks per run, so --wait names the rank that failed first by time
+        slurm_setup=[f'export HPC_ERROR_DIR={marks_dir(options.log_dir)}',
+                     *(f"export {k}={shlex.quote(v)}" for k, v in env.items())],
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task from sbatch: pass it.
         slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"])
     return ex

@@ -11,10 +11,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any
 
-from hpc.submit import watch as jobwatch
 from hpc.errors import SubmitError
+from hpc.submit import watch as jobwatch
 
 __all__ = ["SubmittedJob"]
 
@@ -28,7 +28,7 @@ class SubmittedJob:
         run_dir: The pretrain run directory (checkpoints, ``metrics.csv``), if any.
     """
 
-    def __init__(self, job: Any, options: Any, run_dir: Optional[str] = None) -> None:
+    def __init__(self, job: Any, options: Any, run_dir: str | None = None) -> None:
         self.job, self.options, self.run_dir = job, options, run_dir
 
     @property
@@ -52,19 +52,19 @@ class SubmittedJob:
         out, err = self.logs(0)
         gpus = f"{o.gpus_per_node} GPUs/node, " if o.gpus_per_node else ""
         lines = [
-            f"submitted job {jid}: {o.nodes} node(s) x {o.ntasks_per_node} task(s) ({gpus}"
-            f"{o.cpus_per_task} CPU/task), time limit {o.time_min} min, {o.signal} "
-            f"{o.signal_delay_s} s before it, up to {o.max_requeues} requeue(s)",
+            (f"submitted job {jid}: {o.nodes} node(s) x {o.ntasks_per_node} task(s) ({gpus}"
+             f"{o.cpus_per_task} CPU/task), time limit {o.time_min} min, {o.signal} "
+             f"{o.signal_delay_s} s before it, up to {o.max_requeues} requeue(s)"),
             f"  logs:   {err} (rank 0: log lines, srun errors)",
-            f"          {out} (rank 0 stdout); rank r: {jid}_<r>_log.out/.err in "
-            f"{out.parent}",
+            (f"          {out} (rank 0 stdout); rank r: {jid}_<r>_log.out/.err in "
+             f"{out.parent}"),
         ]
         if self.run_dir:
             lines.append(f"  run:    {self.run_dir} (checkpoints, metrics.csv, pretrain.log)")
         lines += [
             f"  watch:  squeue -j {jid}  |  tail -f {err}  |  sacct -j {jid} -D  (requeues)",
-            f"  cancel: scancel {jid}  |  checkpoint and requeue now: "
-            f"scancel --signal={o.signal} {jid}",
+            (f"  cancel: scancel {jid}  |  checkpoint and requeue now: "
+             f"scancel --signal={o.signal} {jid}"),
         ]
         return "\n".join(lines)
 
@@ -76,24 +76,31 @@ class SubmittedJob:
         """The current state (``PENDING``, ``RUNNING``, ``REQUEUED``, ``COMPLETED``...)."""
         return jobwatch.current(self.job_id).state
 
-    def wait(self, timeout: Optional[float] = None, poll: float = 2.0) -> jobwatch.Run:
+    def wait(self, timeout: float | None = None, poll: float = 2.0) -> jobwatch.Run:
         """Block until the job is over, through requeues; return its last run."""
         return jobwatch.wait(self.job_id, timeout=timeout, poll=poll)
 
-    def follow(self, out: IO[str] = sys.stdout, timeout: Optional[float] = None,
+    def follow(self, out: IO[str] = sys.stdout, timeout: float | None = None,
                poll: float = 2.0) -> int:
         """Print rank 0's logs as they grow until the job is over; return its exit status."""
         stdout, stderr = self.logs(0)
         return jobwatch.follow(self.job_id, [stderr, stdout], out=out, timeout=timeout,
-                               poll=poll)
+                               poll=poll, marks=self.marks)
 
-    def cancel(self, signal: Optional[str] = None) -> None:
+    def marks(self, restart: int = 0) -> Path:
+        """The failure-mark directory (``HPC_ERROR_DIR``) of the run after ``restart``
+        requeues: the ranks' marks name the rank that failed first by time."""
+        from hpc.submit.executor import marks_dir
+
+        return Path(marks_dir(self.options.log_dir, self.job_id, str(restart)))
+
+    def cancel(self, signal: str | None = None) -> None:
         """``scancel`` the job, or send ``signal`` to every task (``USR2``: requeue now)."""
         cmd = ["scancel", self.job_id] if signal is None else \
             ["scancel", f"--signal={signal}", self.job_id]
         subprocess.run(cmd, check=False, timeout=30)
 
-    def result(self, timeout: Optional[float] = None) -> Any:
+    def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value (a ``PretrainResult`` for pretrain); waits for the end.
 
         Raises:
@@ -103,7 +110,7 @@ class SubmittedJob:
         run = self.wait(timeout)
         return self._task_result(0, run)
 
-    def results(self, timeout: Optional[float] = None) -> list[Any]:
+    def results(self, timeout: float | None = None) -> list[Any]:
         """Every rank's return value, rank order (see :meth:`result`)."""
         run = self.wait(timeout)
         return [self._task_result(r, run) for r in range(self.num_tasks)]
@@ -111,7 +118,8 @@ class SubmittedJob:
     def _task_result(self, rank: int, run: jobwatch.Run) -> Any:
         task = self.job.task(rank)
         out, err = self.logs(0)
-        summary = jobwatch.failure_summary(run, [err, out])
+        summary = jobwatch.failure_summary(run, [err, out],
+                                           self.marks(max(0, len(self.history()) - 1)))
         where = f"HINT: read {err} (and {out.parent}/{self.job_id}_<rank>_log.err)."
         if not Path(task.paths.result_pickle).exists():
             raise SubmitError(f"{summary}\nrank {rank} left no result.\n{where}")

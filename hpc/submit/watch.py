@@ -12,14 +12,24 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Callable, Optional
+from typing import IO
 
+from hpc.bootstrap import failure
 from hpc.errors import SubmitError
 
-__all__ = ["Run", "history", "current", "is_terminal", "exit_status", "failure_summary",
-           "wait", "follow"]
+__all__ = [
+    "Run",
+    "current",
+    "exit_status",
+    "failure_summary",
+    "first_by_marks",
+    "follow",
+    "history",
+    "is_terminal",
+    "wait",
+]
 
 #: States after which the job never runs again (sacct spelling, first word).
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -55,7 +65,8 @@ def history(job_id: str, timeout: float = 30) -> list[Run]:
     cmd = ["sacct", "-j", str(job_id), "-X", "-D", "-n", "-P",
            "-o", "JobID,State,ExitCode,Start,End,NodeList"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SubmitError(f"`{' '.join(cmd)}` failed: {e}.\n"
                           "HINT: check that the Slurm client tools (sacct) are on PATH and "
@@ -100,14 +111,46 @@ def _ranks(tasks: str) -> str:
     return f"{word} {tasks}"
 
 
-def failure_summary(run: Run, logs: Sequence[Path]) -> str:
-    """Why a finished job failed: its state and srun's per-task errors, first one first.
+def _expand(tasks: str) -> list[int]:
+    """``0-2,5`` -> ``[0, 1, 2, 5]``."""
+    out: list[int] = []
+    for part in tasks.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (not high or high.isdigit()):
+            out.extend(range(int(low), int(high or low) + 1))
+    return out
 
-    srun prints ``srun: error: node2: task 3: Killed`` for the task that failed and then
-    for the peers it stopped, so the first such line names the root cause.
+
+def first_by_marks(marks: str | Path | None, failed: Sequence[int] = ()) -> str | None:
+    """``rank 1 on node2 (pid 42) at 12:00:01.234: <message>``: the rank whose failure
+    began first by the failure marks in ``marks`` (:func:`hpc.bootstrap.failure.first_failure`
+    with ``failed``, the ranks srun reported in its order), or None when there is none.
+
+    None too when srun's first failed rank left no mark: killed by a signal (SIGKILL, the
+    OOM killer), it ran no Python to write one, and srun saw its exit first.
     """
-    lines = [f"job {run.job_id} {run.state} (exit code {run.exit_code or '?'})"]
+    if not marks or (failed and failure.read_mark(str(marks), failed[0]) is None):
+        return None
+    first = failure.first_failure(str(marks), dict.fromkeys(failed))
+    if first is None:
+        return None
+    where = f" on {first.host}" if first.host else ""
+    pid = f" (pid {first.pid})" if first.pid else ""
+    when = time.strftime("%H:%M:%S", time.localtime(first.began)) + f"{first.began % 1:.3f}"[1:]
+    return f"rank {first.rank}{where}{pid} at {when}: {first.message.splitlines()[-1]}"
+
+
+def describe_failure(logs: Sequence[Path], marks: str | Path | None = None) -> list[str]:
+    """``first failure: ...`` and srun's error lines, from the job's output files and
+    its failure marks (``marks``: the run's ``HPC_ERROR_DIR``).
+
+    The first failure comes from the marks when there are any: srun prints ``srun:
+    error: node2: task 3: Killed`` in the order it learns of the exits, and a rank that
+    failed first but took long to exit comes later there. Without marks (or when srun's
+    first failed rank has none, see :func:`first_by_marks`), srun's first line is taken.
+    """
     found: list[str] = []
+    tasks: list[int] = []
     for path in logs:
         try:
             text = Path(path).read_text(errors="replace")
@@ -117,17 +160,27 @@ def failure_summary(run: Run, logs: Sequence[Path]) -> str:
             m = _SRUN_ERROR.search(line)
             if m:
                 found.append(f"{_ranks(m['tasks'])} on {m['node']}: {m['what'].strip()}")
+                tasks.extend(_expand(m["tasks"]))
             s = _STEPD.search(line)
             if s and s["why"].strip():
                 found.append(f"slurm: cancelled{s['why'].rstrip()}")
+    first = first_by_marks(marks, tasks)
+    if first is not None:
+        return [f"first failure: {first} (by the failure marks in {marks})",
+                *(f"  srun: {f}" for f in dict.fromkeys(found))]
     if found:
-        lines.append(f"first failure: {found[0]}")
-        lines.extend(f"  then: {f}" for f in dict.fromkeys(found[1:]))
-    return "\n".join(lines)
+        return [f"first failure: {found[0]}", *(f"  then: {f}" for f in dict.fromkeys(found[1:]))]
+    return []
 
 
-def wait(job_id: str, timeout: Optional[float] = None, poll: float = 2.0,
-         on_poll: Optional[Callable[[list[Run], Run, bool], None]] = None) -> Run:
+def failure_summary(run: Run, logs: Sequence[Path], marks: str | Path | None = None) -> str:
+    """Why a finished job failed: its state and :func:`describe_failure`."""
+    return "\n".join([f"job {run.job_id} {run.state} (exit code {run.exit_code or '?'})",
+                      *describe_failure(logs, marks)])
+
+
+def wait(job_id: str, timeout: float | None = None, poll: float = 2.0,
+         on_poll: Callable[[list[Run], Run, bool], None] | None = None) -> Run:
     """Poll ``sacct`` until the job is over (requeues are followed); return its last run.
 
     Args:
@@ -141,7 +194,7 @@ def wait(job_id: str, timeout: Optional[float] = None, poll: float = 2.0,
         SubmitError: ``timeout`` seconds passed first (the job keeps running).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    seen: Optional[tuple[int, str]] = None
+    seen: tuple[int, str] | None = None
     while True:
         runs = history(job_id)
         run = runs[-1] if runs else Run(str(job_id), "PENDING", "", "", "", "")
@@ -176,11 +229,13 @@ class _Tail:
 
 
 def follow(job_id: str, logs: Sequence[Path], out: IO[str] = sys.stdout,
-           timeout: Optional[float] = None, poll: float = 2.0) -> int:
+           timeout: float | None = None, poll: float = 2.0,
+           marks: Callable[[int], Path] | None = None) -> int:
     """Print the master's logs as they grow until the job is over; return its exit status.
 
     Requeues are reported as they happen (the logs are appended to across restarts). A
-    failed job ends with :func:`failure_summary`.
+    failed job ends with :func:`failure_summary`; ``marks(restart)`` is the failure-mark
+    directory of the run after ``restart`` requeues.
     """
     tails = [_Tail(p) for p in logs]
 
@@ -198,12 +253,19 @@ def follow(job_id: str, logs: Sequence[Path], out: IO[str] = sys.stdout,
             out.write(f"hpc submit: job {job_id} {run.state}{restart}\n")
             out.flush()
 
-    run = wait(job_id, timeout=timeout, poll=poll, on_poll=polled)
+    runs: list[int] = [0]
+
+    def counted(all_runs: list[Run], run: Run, changed: bool) -> None:
+        runs[0] = len(all_runs)
+        polled(all_runs, run, changed)
+
+    run = wait(job_id, timeout=timeout, poll=poll, on_poll=counted)
     time.sleep(min(poll, 1.0))  # the last lines of the logs land after the state changes
     drain()
     status = exit_status(run)
     if status != 0:
-        out.write("hpc submit: " + failure_summary(run, logs).replace("\n", "\nhpc submit: ")
-                  + "\n")
+        where = marks(max(0, runs[0] - 1)) if marks is not None else None
+        out.write("hpc submit: " + failure_summary(run, logs, where)
+                  .replace("\n", "\nhpc submit: ") + "\n")
         out.flush()
     return status

@@ -272,6 +272,9 @@ def test_dying_rank_ends_job(job: str, tmp_path: Path) -> None:
     # bound to one CPU each, task/affinity) its node2 peer whose gloo connection to
     # rank 3 closed while rank 3 was still tearing down; both happen within a second.
     assert re.search(r"node2: tasks? [0-9,-]*[23]: Exited with exit code [13]", out), out
+    # ... while the template's closing line, from the failure marks, is rank 3 either way
+    assert re.search(r"^hpc: first failure: rank 3 on node2 \(pid \d+\) at ", out,
+                     re.MULTILINE), out
     assert "UNREACHABLE" not in out
     rows = accounted("-j", str(job_id))
     assert rows[str(job_id)][0] == "FAILED" and rows[f"{job_id}.0"][0] in ("FAILED", "CANCELLED")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,44 @@ def test_follow_prints_each_state_once_while_sacct_does_not_list_the_job_yet(
     assert out.getvalue().splitlines() == ["hpc submit: job 7 PENDING",
                                            "hpc submit: job 7 RUNNING",
                                            "hpc submit: job 7 COMPLETED"]
+
+
+def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) -> None:
+    """srun lists rank 0 first (it exited first); rank 1's failure began earlier."""
+    from hpc.bootstrap import failure
+
+    log = tmp_path / "0.err"
+    log.write_text("0: RuntimeError: peer gone\n"
+                   "srun: error: node1: task 0: Exited with exit code 1\n"
+                   "srun: error: node2: task 1: Exited with exit code 1\n")
+    marks = tmp_path / "failures-0"
+    marks.mkdir()
+    failure.write_mark(str(marks), 0, "RuntimeError: peer gone", 1_000_000_005.5)
+    failure.write_mark(str(marks), 1, "Traceback...\nRuntimeError: rank 1 broke first",
+                       1_000_000_001.25)
+    run = jobwatch.Run("26", "FAILED", "1:0", "", "", "node[1-2]")
+    text = jobwatch.failure_summary(run, [log], marks)
+    first = text.splitlines()[1]
+    assert first.startswith("first failure: rank 1 on ") and "(pid " in first
+    assert first.endswith(f".250: RuntimeError: rank 1 broke first (by the failure marks in {marks})")
+    assert "  srun: rank 0 on node1: Exited with exit code 1" in text
+    # without marks (or an empty directory): srun's order, as before
+    assert "first failure: rank 0 on node1" in jobwatch.failure_summary(run, [log], tmp_path / "x")
+    # srun's first failed rank left no mark (SIGKILLed, no Python ran): it is the first
+    log.write_text("srun: error: node2: tasks 2-3,5: Killed\n" + log.read_text())
+    assert "first failure: ranks 2-3,5 on node2: Killed" in jobwatch.failure_summary(
+        run, [log], marks)
+
+
+def test_first_failure_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc.bootstrap import failure
+    from hpc.cli import failures
+
+    assert failures.main([str(tmp_path)]) == 1
+    assert "no failure marks in" in capsys.readouterr().err
+    failure.write_mark(str(tmp_path), 3, failure.GENERIC_MESSAGE, 50.0)
+    log = tmp_path / "job.out"
+    log.write_text("srun: error: node2: task 3: Exited with exit code 2\n")
+    assert failures.main([str(tmp_path)]) == 1  # a bare exit mark alone is no failure
+    assert failures.main([str(tmp_path), "--log", str(log)]) == 0
+    assert f"hpc: first failure: rank 3 on {socket.gethostname()}" in capsys.readouterr().err
