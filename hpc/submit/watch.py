@@ -174,7 +174,7 @@ def describe_failure(logs: Sequence[Path], marks: str | Path | None = None) -> l
 
 
 def failure_summary(run: Run, logs: Sequence[Path], marks: str | Path | None = None) -> str:
-    """Why a finished job failed: its state and :func:`describe_failure`."""
+    """Why a finished job failed: its state and ``describe_failure``'s lines."""
     return "\n".join([f"job {run.job_id} {run.state} (exit code {run.exit_code or '?'})",
                       *describe_failure(logs, marks)])
 
