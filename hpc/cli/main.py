@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 SUBCOMMANDS = {"run": "hpc.cli.run", "env": "hpc.cli.env", "demo": "hpc.cli.demo",
                "pretrain": "hpc.pretrain.cli", "search": "hpc.pretrain.search_cli",
                "tune": "hpc.pretrain.tune_cli", "submit": "hpc.submit.cli",
-               "first-failure": "hpc.cli.failures"}
+               "first-failure": "hpc.cli.failures", "check": "hpc.check.cli"}
 
 
 def _unavailable(name: str, error: Exception) -> int:
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command, name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(name)
-        except Exception as e:  # one broken subcommand must not take down the others
+        except Exception as e:  # noqa: BLE001 - one broken subcommand must not take down the others
             logger.debug("subcommand module %s unavailable: %s", name, e)
             broken = sub.add_parser(command, help=f"(unavailable: {e})")
             broken.set_defaults(func=lambda _a, n=name, e=e: _unavailable(n, e))

@@ -11,7 +11,7 @@ import pytest
 from hpc.cli import main as cli_main
 
 MODULES = {"run": "hpc.cli.run", "env": "hpc.cli.env", "demo": "hpc.cli.demo",
-           "pretrain": "hpc.pretrain.cli"}  # submit: converted in hpc.submit.cli
+           "pretrain": "hpc.pretrain.cli", "check": "hpc.check.cli"}  # submit: in hpc.submit.cli
 
 
 def test_table_lists_run_first_and_the_parser_has_every_entry() -> None:

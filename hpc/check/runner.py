@@ -1,0 +1,133 @@
+"""``hpc check``'s phases on every rank: local figures, pairs in rounds, ring, verdict.
+
+Units are the job's nodes when it spans several (a pair = every rank of two nodes), else
+its ranks (one node: each pair of ranks, e.g. GPU to GPU). Pairs run in rounds of disjoint
+pairs (:func:`~hpc.check.verdict.round_robin`): every rank creates every pair's group in
+the same order, as ``torch.distributed.new_group`` requires, and members time their pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc.check.verdict import Figure, Finding, Pair, Thresholds, round_robin
+
+__all__ = ["CheckOptions", "Results", "gather_local", "measure", "units_of"]
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BYTES = 4
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """Sizes and budgets of the measurements (``None``: the device's default)."""
+
+    size: int | None = None          # all_reduce bytes: 4 MiB on CPU, 64 MiB on GPU
+    gemm: int | None = None          # GEMM n: 1024 on CPU, 8192 on GPU
+    copy: int | None = None          # copied bytes: 64 MiB on CPU, 1 GiB on GPU
+    budget: float = 0.3              # seconds per timing (after one warm-up)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    def resolved(self, cuda: bool) -> CheckOptions:
+        """These options with the device's defaults filled in."""
+        mib = 1 << 20
+        return dataclasses.replace(
+            self, size=self.size or (64 * mib if cuda else 4 * mib),
+            gemm=self.gemm or (8192 if cuda else 1024),
+            copy=self.copy or (1024 * mib if cuda else 64 * mib))
+
+
+@dataclass
+class Results:
+    """Everything measured, as the master holds it after gathering."""
+
+    rows: list[dict[str, Any]]           # per rank, sorted by rank
+    unit_kind: str                       # "node" or "rank"
+    labels: list[str]                    # unit names (hostnames for nodes)
+    members: list[list[int]]             # ranks of each unit
+    pairs: dict[Pair, Figure]
+    ring: Figure | None
+    settings: dict[str, Any]
+    findings: list[Finding] = field(default_factory=list)
+
+
+def gather_local(opts: CheckOptions, device: Any, rank: int) -> dict[str, Any]:
+    """This rank's GEMM FLOP/s, copy bytes/s and GPU visibility."""
+    import torch
+
+    from hpc.check import measure as m
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    row: dict[str, Any] = {"rank": rank, "host": socket.gethostname(), "device": str(device)}
+    row["gemm"] = m.time_gemm(int(opts.gemm or 0), dtype, device, opts.budget)
+    row["copy"] = m.time_copy(int(opts.copy or 0), device, opts.budget)
+    row.update(m.gpu_visibility(device))
+    return row
+
+
+def units_of(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[list[int]]]:
+    """(kind, labels, member ranks): one unit per host in order of its first rank when
+    the ranks span several hosts, else one unit per rank ("rank 1 (host)")."""
+    hosts: dict[str, list[int]] = {}
+    for r in rows:
+        hosts.setdefault(r["host"], []).append(r["rank"])
+    if len(hosts) > 1:
+        return "node", list(hosts), list(hosts.values())
+    return "rank", [f"rank {r['rank']} ({r['host']})" for r in rows], [[r["rank"]] for r in rows]
+
+
+def _figure(nbytes: int, device: Any, budget: float, group: Any, ranks: int) -> Figure:
+    from hpc.check.measure import time_all_reduce
+
+    seconds = time_all_reduce(nbytes, device, budget, group)
+    latency = time_all_reduce(LATENCY_BYTES, device, budget / 2, group, per_op=True)
+    return Figure(ranks, nbytes, seconds, latency)
+
+
+def measure_pairs(members: list[list[int]], rank: int, opts: CheckOptions,
+                  device: Any) -> dict[Pair, Figure]:
+    """Time every unit pair (members of one pair only see their own figure)."""
+    import torch.distributed as dist
+
+    mine: dict[Pair, Figure] = {}
+    for number, pairs in enumerate(round_robin(len(members)), 1):
+        groups = {p: dist.new_group(sorted(members[p[0]] + members[p[1]])) for p in pairs}
+        for p, group in groups.items():
+            ranks = members[p[0]] + members[p[1]]
+            if rank in ranks:
+                mine[p] = _figure(int(opts.size or 0), device, opts.budget, group, len(ranks))
+        logger.debug("round %d done: %s", number, pairs)
+        dist.barrier()
+        for group in groups.values():
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+    return mine
+
+
+def measure(opts: CheckOptions, device: Any, rank: int, world: int) -> Results | None:
+    """Run every phase on this rank; the master gets the :class:`Results`, others None."""
+    import torch.distributed as dist
+
+    row = gather_local(opts, device, rank)
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, row)
+    rows.sort(key=lambda r: r["rank"])
+    kind, labels, members = units_of(rows)
+    mine = measure_pairs(members, rank, opts, device)
+    ring = _figure(int(opts.size or 0), device, opts.budget, None, world) if world > 1 else None
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    pairs: dict[Pair, Figure] = {}
+    for part in parts:
+        pairs.update(part)
+    settings = {"world": world, "backend": dist.get_backend(), "device": device.type,
+                "size": opts.size, "gemm": opts.gemm, "copy": opts.copy,
+                "budget": opts.budget, "thresholds": dataclasses.asdict(opts.thresholds)}
+    if rank != 0:
+        return None
+    return Results(rows, kind, labels, members, pairs, ring, settings)
