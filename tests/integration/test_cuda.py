@@ -106,6 +106,24 @@ def test_env_lists_the_gpu() -> None:
     assert torch.cuda.get_device_name(0) in cuda[0], out
 
 
+
+@pytest.mark.timeout(120)
+def test_check_times_the_gpu(tmp_path: Path) -> None:
+    """hpc check on one GPU: bf16 GEMM and copy timed with CUDA events, the GPU named,
+    the 1-rank ring over NCCL; the figures are plausible for any datacenter GPU."""
+    out = _ok(hpc_run(1, [sys.executable, "-m", "hpc", "check", "--out", str(tmp_path)],
+                      timeout=110, env=_env()))
+    data = json.loads((tmp_path / "hpc-check.json").read_text())
+    (row,) = data["ranks"]
+    assert row["device"] == "cuda:0" and row["gpus"] >= 1, row
+    assert row["gpu_name"] == torch.cuda.get_device_name(0), row
+    assert row["gemm"] > 5e12, row   # bf16 8192^3: tens to hundreds of TFLOP/s
+    assert row["copy"] > 1e11, row   # HBM: hundreds of GB/s at least
+    assert data["settings"]["backend"].endswith("nccl") and data["findings"] == [], data
+    assert "VERDICT: OK" in out, out
+    print(f"hpc check on {row['gpu_name']}: GEMM {row['gemm'] / 1e12:.0f} TFLOP/s, "
+          f"copy {row['copy'] / 1e9:.0f} GB/s")
+
 def _pretrain(out_dir: Path, *args: str) -> str:
     cmd = [sys.executable, "-m", "hpc", "pretrain", "--out", str(out_dir), "--no-progress",
            *args]
