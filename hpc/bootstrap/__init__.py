@@ -3,6 +3,7 @@
 * :mod:`hpc.bootstrap.distributed` — ``init_torch``/``teardown``, export, roles, barriers;
 * :mod:`hpc.bootstrap.master` — the master address where the launcher gives none;
 * :mod:`hpc.bootstrap.preflight` — the pre-flight before init (all ranks joined, no GPU shared);
+  under torchrun scoped by :mod:`hpc.bootstrap.attempt`, the attempt id all ranks share;
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
 * :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first;
 * :mod:`hpc.bootstrap.watchdog` — after init: the stuck-rank report, one failing rank

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from hpc.bootstrap import gpubind, network
+from hpc.bootstrap import attempt, gpubind, network
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
 
@@ -94,7 +94,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
 
     Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already serves the
     store at ``MASTER_PORT``; every rank, rank 0 included, joins it as a client, and keys
-    are scoped by ``TORCHELASTIC_RESTART_COUNT`` so a restarted attempt starts clean.
+    are scoped by an attempt id all ranks agree on (:mod:`hpc.bootstrap.attempt`), so a
+    restarted attempt starts clean even where the nodes' restart counts differ.
 
     Raises:
         RendezvousError: the master is unreachable, its port is taken, a rank is
@@ -107,13 +108,16 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     start = time.monotonic()
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
-    store = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
+    store, answerer = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
     checked = network.mode(env) != "off"
     if checked and info.local_rank == 0:  # one report per node
         slot = store.add("hpc/pf/net/n", 1)
         store.set(f"hpc/pf/net/{slot}", json.dumps(network.local_report(os.environ, pinned)))
     _join(store, info, gpu, backend)
     if info.rank == 0:
+        if answerer is not None:  # until every rank learnt the attempt and joined it
+            keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
+            answerer.until(lambda: bool(store.check(keys)), deadline)
         _master_wait(store, info, addr, port, deadline, start, backend, checked)
     else:
         _worker_wait(store, info, addr, port, deadline + 10.0)
@@ -123,23 +127,30 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
 
 
 def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
-                pg_timeout: timedelta, window: tuple[float, float]) -> Any:
+                pg_timeout: timedelta, window: tuple[float, float]
+                ) -> tuple[Any, attempt.Answerer | None]:
     """Rank 0's TCPStore: served by rank 0, or by the torchrun agent; the others join.
 
     ``window`` is the pre-flight's ``(start, deadline)`` in ``time.monotonic()`` time.
+    Under torchrun the store is scoped to the attempt all ranks agreed on; rank 0 also
+    gets the :class:`~hpc.bootstrap.attempt.Answerer` that tells the others (else None).
     """
     import torch.distributed as dist
 
     start, deadline = window
-    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if agent_store:
+    if _agent_store(env):
         _probe(addr, port, info.rank, start, deadline)
         store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
-        return _scoped(store, env)
+        answerer = attempt.take(store, info) if info.rank == 0 else None
+        agreed = answerer.attempt if answerer else attempt.ask(store, info, deadline)
+        attempt.remember(info, agreed)
+        logger.debug("torchrun attempt %d (local restart count %s)", agreed,
+                     env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return dist.PrefixStore(attempt.prefix(agreed), store), answerer
     if info.rank == 0:
         try:
             return dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
-                                 wait_for_workers=False)
+                                 wait_for_workers=False), None
         except Exception as e:  # DistNetworkError: bind failed
             raise RendezvousError(
                 f"rank 0: cannot listen on {addr}:{port}: {e}.\n"
@@ -149,7 +160,7 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
             ) from e
     _probe(addr, port, info.rank, start, deadline)
     return dist.TCPStore(addr, port, None, False,
-                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()))), None
 
 
 def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
@@ -163,16 +174,15 @@ def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
 
     store = dist.TCPStore(info.master_addr, info.master_port, None, False,
                           timeout=timedelta(seconds=timeout))
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return _scoped(store, environ)
+    agreed = attempt.remembered(info) if _agent_store(environ) else None
+    if agreed is not None:
+        return dist.PrefixStore(attempt.prefix(agreed), store)
     return store
 
 
-def _scoped(store: Any, environ: Mapping[str, str]) -> Any:
-    """The torchrun agent's store, scoped to this restart attempt."""
-    import torch.distributed as dist
-
-    return dist.PrefixStore(f"attempt{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+def _agent_store(environ: Mapping[str, str]) -> bool:
+    """True when torchrun's agent serves the store (kept across restarts)."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
 def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
