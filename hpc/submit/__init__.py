@@ -6,7 +6,8 @@
 * :mod:`hpc.submit.payload` — what runs on every task of the job;
 * :mod:`hpc.submit.handle` — :class:`SubmittedJob`: logs, watching, the result;
 * :mod:`hpc.submit.watch` — ``sacct`` state, requeue history, the first failing rank;
-* :mod:`hpc.submit.preempt` — warning signal -> agreed stop -> checkpoint -> requeue.
+* :mod:`hpc.submit.preempt` — warning signal -> agreed stop -> checkpoint -> requeue
+  (:mod:`hpc.submit.guard`: the signals and the stop request, :class:`PreemptGuard`).
 
 Served lazily: importing :mod:`hpc.submit` imports neither torch nor submitit.
 """

@@ -1,0 +1,158 @@
+"""The stop request of a preemption: signals -> :class:`PreemptGuard`, polled every step.
+
+The handler only assigns a flag (signal-safe); the training loop polls the guard once per
+step and agrees across ranks (:mod:`hpc.submit.preempt` has the rest of the flow: the
+requeue budget, ``scontrol requeue`` and the exit codes). The variables it reads are
+listed in :mod:`hpc.submit.preempt`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from hpc._lazy import resolve_callable
+from hpc.errors import SubmitError
+
+__all__ = ["DEFAULT_SIGNAL", "VALID_SIGNALS", "PreemptGuard", "load_step_hook",
+           "parse_signal", "parse_signals", "preempt_signals"]
+
+DEFAULT_SIGNAL = "USR2"
+#: Warning signals a job may ask for (catchable, and not used by Slurm for job control).
+VALID_SIGNALS = ("USR2", "USR1", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG", "XCPU")
+
+
+def parse_signal(name: str) -> signal.Signals:
+    """``USR2``, ``SIGUSR2``, ``usr2`` or ``12`` -> ``signal.SIGUSR2``.
+
+    Raises:
+        SubmitError: the name is not one of :data:`VALID_SIGNALS` (listed in the message).
+    """
+    text = str(name).strip().upper()
+    short = text[3:] if text.startswith("SIG") else text
+    if text.isdigit():
+        try:
+            short = signal.Signals(int(text)).name[3:]
+        except ValueError:
+            short = text
+    if short not in VALID_SIGNALS:
+        raise SubmitError(
+            f"warning signal {name!r} is not supported.\n"
+            "The job must be able to catch it, and Slurm uses STOP/CONT/KILL itself.\n"
+            f"HINT: use one of: {', '.join(VALID_SIGNALS)} (default {DEFAULT_SIGNAL}; "
+            "USR1 may clash with NCCL).")
+    return signal.Signals[f"SIG{short}"]
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """``"USR2,TERM"`` -> ``(SIGUSR2, SIGTERM)`` (duplicates dropped, order kept).
+
+    Raises:
+        SubmitError: the list is empty or names a signal :func:`parse_signal` refuses.
+    """
+    names = [n for n in str(text).replace(" ", ",").split(",") if n.strip()]
+    if not names:
+        raise SubmitError(f"HPC_PREEMPT_SIGNALS={text!r} names no signal.\n"
+                          "HINT: e.g. HPC_PREEMPT_SIGNALS=USR2,TERM, or unset it.")
+    return tuple(dict.fromkeys(parse_signal(n) for n in names))
+
+
+def preempt_signals(environ: Optional[Mapping[str, str]] = None) -> tuple[signal.Signals, ...]:
+    """The signals that ask for the agreed stop: ``HPC_PREEMPT_SIGNALS``, else the warning
+    signal (``HPC_PREEMPT_SIGNAL``, default USR2) and SIGTERM (what preemption sends)."""
+    env = os.environ if environ is None else environ
+    listed = env.get("HPC_PREEMPT_SIGNALS", "").strip()
+    if listed:
+        return parse_signals(listed)
+    return parse_signals(f"{env.get('HPC_PREEMPT_SIGNAL') or DEFAULT_SIGNAL},TERM")
+
+
+def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Callable[[], None]]:
+    """The ``HPC_STEP_HOOK`` function (``module:function``), or None when unset.
+
+    Raises:
+        SubmitError: the value is not ``module:function`` or does not import (the message
+            says which part failed).
+    """
+    env = os.environ if environ is None else environ
+    spec = env.get("HPC_STEP_HOOK", "").strip()
+    if not spec:
+        return None
+    return resolve_callable(spec, label=f"HPC_STEP_HOOK={spec!r}",
+                            example="HPC_STEP_HOOK=mypkg.hooks:on_step, or unset it",
+                            where="of the job, or unset HPC_STEP_HOOK", error=SubmitError)
+
+
+class PreemptGuard:
+    """A stop request raised by a preemption signal, polled by the training loop.
+
+    Pass the guard as ``stop_requested`` (it is callable) after :meth:`install`::
+
+        guard = PreemptGuard().install()
+        result = pretrain(cfg, stop_requested=guard)
+
+    Installing replaces any previous handler of the signal, submitit's included (it would
+    requeue at once from inside the handler, without the agreed stop).
+
+    Args:
+        signame: The signal, or a comma-separated list (default
+            :func:`preempt_signals`: ``HPC_PREEMPT_SIGNALS``, else the warning signal
+            ``HPC_PREEMPT_SIGNAL``/USR2 and TERM).
+        environ: Variables to read (default ``os.environ``).
+        step_hook: Called at every poll, before the answer (default: the
+            ``HPC_STEP_HOOK`` function, see :func:`load_step_hook`).
+    """
+
+    def __init__(self, signame: Optional[str] = None,
+                 environ: Optional[Mapping[str, str]] = None,
+                 step_hook: Optional[Callable[[], None]] = None) -> None:
+        env = os.environ if environ is None else environ
+        self.signums = parse_signals(signame) if signame else preempt_signals(env)
+        self.signum = self.signums[0]
+        self.requested = False
+        self.received_at: Optional[float] = None
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._announce = env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0")) == "0"
+        self._rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
+        self.step_hook = step_hook if step_hook is not None else load_step_hook(env)
+
+    @property
+    def signal_name(self) -> str:
+        """The signal that asked for the stop (else the first handled), e.g. ``SIGTERM``."""
+        return (self.received or self.signum).name
+
+    def install(self) -> "PreemptGuard":
+        """Handle the signals from now on (main thread only); returns ``self``."""
+        for signum in self.signums:
+            self._previous[signum] = signal.signal(signum, self.request)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before :meth:`install`."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def request(self, signum: Optional[int] = None, frame: Any = None) -> None:
+        """Ask for a stop; fits ``signal.signal`` (only assignments and one ``write``)."""
+        first = not self.requested
+        self.requested = True
+        if first:
+            self.received_at = time.time()
+            if signum is not None:
+                self.received = signal.Signals(signum)
+            if self._announce and signum is not None:
+                try:
+                    os.write(2, f"hpc: rank {self._rank} got {signal.Signals(signum).name}: "
+                                "stopping at the next step boundary\n".encode())
+                except OSError:
+                    pass
+
+    def __call__(self) -> bool:
+        if self.step_hook is not None:
+            self.step_hook()
+        return self.requested
