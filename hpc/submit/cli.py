@@ -39,6 +39,7 @@ examples:
   hpc submit --nodes 2 --gpus-per-node 4 --time 2:00:00 -- --epochs 30 --out $SCRATCH/run1
   hpc submit --nodes 2 --gpus-per-node 0 --tasks-per-node 4 --wait -- --out runs/cpu
   hpc submit -N 1 --gpus-per-node 2 --sbatch account=proj --sbatch mail-type=END -- -m mypkg.train
+  hpc submit --array 4 -N 1 --gpus-per-node 2 -- --out runs/sweep/{task}   (4 jobs)
 """
 
 
@@ -130,27 +131,33 @@ def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc submit`` with parsed ``args``; return the exit status."""
-    from hpc.submit.executor import submit
+    from hpc.submit.executor import submit, submit_array
 
     try:
         kind, rest = split_target(args.cmd)
         target, targs = _target(kind, rest)
-        job = submit(target, targs, options=_options(args, kind))
+        options = _options(args, kind)
+        jobs = (submit_array(target, targs, options=options) if options.array
+                else [submit(target, targs, options=options)])
     except SubmitError as e:
         print(f"hpc submit: {e}", file=sys.stderr)
         return 2
-    print(job.describe(), flush=True)
+    for job in jobs:
+        print(job.describe(), flush=True)
     if not args.wait:
         return 0
-    try:
-        return job.follow(timeout=args.wait_timeout)
-    except SubmitError as e:
-        print(f"hpc submit: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\nhpc submit: stopped following; job {job.job_id} keeps running "
-              f"(scancel {job.job_id} to cancel it)", file=sys.stderr)
-        return 130
+    status = 0
+    for job in jobs:  # an array: each task's log in turn; the worst status
+        try:
+            status = max(status, job.follow(timeout=args.wait_timeout))
+        except SubmitError as e:
+            print(f"hpc submit: {e}", file=sys.stderr)
+            status = max(status, 1)
+        except KeyboardInterrupt:
+            print(f"\nhpc submit: stopped following; job {job.job_id} keeps running "
+                  f"(scancel {job.job_id} to cancel it)", file=sys.stderr)
+            return 130
+    return status
 
 
 def add_parser(sub: Any) -> None:

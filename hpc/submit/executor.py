@@ -38,7 +38,7 @@ from hpc.submit.preempt import parse_signal
 if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob
 
-__all__ = ["make_executor", "submit"]
+__all__ = ["for_task", "make_executor", "submit", "submit_array"]
 
 
 #: submitit parameters of the ``AutoExecutor`` constructor; the others go to
@@ -46,7 +46,7 @@ __all__ = ["make_executor", "submit"]
 _CONSTRUCTOR = ("slurm_max_num_timeout", "slurm_python")
 #: Fields without a submitit parameter of their own: :func:`make_executor` composes them
 #: (the log folder, the exported variables, the signal and the extra sbatch options).
-COMPOSED = ("sbatch", "env", "log_dir", "signal")
+COMPOSED = ("sbatch", "env", "log_dir", "signal", "array")
 
 
 def field_parameters(options: SubmitOptions) -> dict[str, Any]:
@@ -129,6 +129,11 @@ def _callable(target: Any, args: Sequence[str]) -> tuple[Any, str | None]:
                       "PretrainConfig, 'pkg.mod:func', 'pkg.mod' (run as -m) or a callable.")
 
 
+def _merged(options: SubmitOptions | None, kwargs: dict[str, Any]) -> SubmitOptions:
+    base = dataclasses.asdict(options) if options is not None else {}
+    return SubmitOptions.from_kwargs(**{**base, **kwargs})
+
+
 def submit(target: Any, args: Sequence[str] = (), *,
            options: SubmitOptions | None = None, **kwargs: Any) -> SubmittedJob:
     """Submit ``target`` as one multi-node Slurm job; every task runs it in-process.
@@ -145,10 +150,13 @@ def submit(target: Any, args: Sequence[str] = (), *,
         A :class:`SubmittedJob`.
 
     Raises:
-        SubmitError: invalid options, or sbatch refused the job.
+        SubmitError: invalid options, an ``array`` (use :func:`submit_array`), or sbatch
+            refused the job.
     """
-    base = dataclasses.asdict(options) if options is not None else {}
-    opts = SubmitOptions.from_kwargs(**{**base, **kwargs})
+    opts = _merged(options, kwargs)
+    if opts.array:
+        raise SubmitError(f"submit() submits one job, but array={opts.array}.\n"
+                          "HINT: call hpc.submit.executor.submit_array() for a job array.")
     fn, run_dir = _callable(target, args)
     executor = make_executor(opts)
     try:
@@ -159,3 +167,68 @@ def submit(target: Any, args: Sequence[str] = (), *,
     from hpc.submit.handle import SubmittedJob
 
     return SubmittedJob(job, opts, run_dir=run_dir)
+
+
+def for_task(target: Any, args: Sequence[str], task: int) -> tuple[Any, list[str]]:
+    """``target`` and ``args`` of array task ``task``: ``{task}`` replaced by its index
+    in the run directory of a pretrain target and in every argument."""
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.submit import payload as jobs
+
+    def sub(text: Any) -> Any:
+        return text.replace("{task}", str(task)) if isinstance(text, str) else text
+
+    if isinstance(target, PretrainConfig):
+        target = dataclasses.replace(target, out=sub(target.out))
+    elif isinstance(target, jobs.PretrainJob):
+        target = jobs.PretrainJob(dataclasses.replace(target.config, out=sub(target.config.out)),
+                                  target.log_level)
+    return target, [sub(a) for a in args]
+
+
+def _shared_run_dir(target: Any) -> str | None:
+    """The run directory every task of an array would share (no ``{task}`` in it)."""
+    config = getattr(target, "config", target)
+    out = getattr(config, "out", None)
+    return out if isinstance(out, str) and "{task}" not in out else None
+
+
+def submit_array(target: Any, args: Sequence[str] = (), *,
+                 options: SubmitOptions | None = None, **kwargs: Any) -> list[SubmittedJob]:
+    """Submit ``target`` as a job array of ``options.array`` tasks, one per index.
+
+    Task ``i`` runs :func:`for_task` ``(target, args, i)``: ``{task}`` in the run
+    directory (``--out runs/sweep/{task}``) and in the arguments becomes ``i``. Each task
+    is a job of its own (``<array job>_<i>``): preempted, checkpointed and requeued on
+    its own.
+
+    Returns:
+        One :class:`SubmittedJob` per task, in index order.
+
+    Raises:
+        SubmitError: invalid options, ``array`` < 1, a pretrain run directory without
+            ``{task}`` (every task would write the same checkpoints), or sbatch refused.
+    """
+    opts = _merged(options, kwargs)
+    if opts.array < 1:
+        raise SubmitError(f"array={opts.array}: a job array needs at least 1 task.\n"
+                          "HINT: pass array=N (hpc submit --array N), or call submit().")
+    shared = _shared_run_dir(target)
+    if shared is not None:
+        raise SubmitError(
+            f"--array {opts.array}: every task would write the run directory {shared} "
+            "(checkpoints, metrics.csv), and resume from the others' checkpoints.\n"
+            "HINT: put {task} in it, e.g. --out runs/sweep/{task} (it becomes 0.."
+            f"{opts.array - 1}).")
+    tasks = [for_task(target, args, i) for i in range(opts.array)]
+    calls = [_callable(t, a) for t, a in tasks]
+    executor = make_executor(opts)
+    try:
+        with executor.batch():
+            jobs = [executor.submit(fn) for fn, _ in calls]
+    except Exception as e:  # submitit raises bare errors carrying sbatch's stderr
+        raise SubmitError(f"sbatch refused the job array: {e}.\nHINT: check the "
+                          "partition, time limit and --sbatch options against `sinfo`.") from e
+    from hpc.submit.handle import SubmittedJob
+
+    return [SubmittedJob(job, opts, run_dir=run_dir) for job, (_, run_dir) in zip(jobs, calls)]

@@ -175,6 +175,10 @@ class SubmitOptions:
         signal_delay_s: Seconds before the time limit the signal comes.
         max_requeues: Requeue budget (``HPC_MAX_REQUEUES`` in the job).
         python: Interpreter on the nodes (default: this one).
+        array: Tasks of a job array (0 = one plain job): one Slurm job per index
+            ``0..array-1``, each with its own run directory (``{task}`` in the target's
+            arguments, e.g. ``--out runs/sweep/{task}``), each preempted and requeued on
+            its own (``<array job>_<task>``).
     """
 
     nodes: int = option(
@@ -230,6 +234,11 @@ class SubmitOptions:
     python: Optional[str] = option(  # noqa: UP045 (get_type_hints, Python 3.9)
         "--python", default=None, help="interpreter on the nodes (default: this one)",
         submitit="slurm_python")
+    array: int = option(
+        "--array", default=0, metavar="N",
+        help="a job array of N tasks (index 0..N-1), each its own job, requeued on its "
+        "own; {{task}} in the target's arguments becomes the index, e.g. -- --out "
+        "runs/sweep/{{task}} (default: one job)", sbatch=("array",))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SubmitOptions:
@@ -257,7 +266,7 @@ class SubmitOptions:
                     for k in ("nodes", "cpus_per_task", "time_min", "ntasks_per_node")
                     if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} (must be >= 0)"
-                     for k in ("gpus_per_node", "signal_delay_s", "max_requeues")
+                     for k in ("gpus_per_node", "signal_delay_s", "max_requeues", "array")
                      if getattr(self, k) < 0]
         if self.gpus_per_node and self.tasks_per_node not in (None, self.gpus_per_node):
             problems.append(f"tasks_per_node={self.tasks_per_node} with gpus_per_node="
@@ -280,7 +289,7 @@ class SubmitOptions:
 #: sbatch options ``hpc submit`` sets without a field of its own, with what to use instead.
 _SET_ALWAYS = {
     "open-mode": "nothing (always append)", "requeue": "nothing (always on)",
-    "no-requeue": "--max-requeues 0", "array": "nothing (arrays are not supported)",
+    "no-requeue": "--max-requeues 0",
     "wrap": "the command after --",
 }
 

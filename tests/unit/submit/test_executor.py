@@ -44,3 +44,34 @@ def test_field_parameters_map_the_fields() -> None:
     assert (params["gpus_per_node"], params["tasks_per_node"]) == (2, 2)
     assert params["slurm_partition"] == "p"
 
+
+
+def test_array_task_gets_its_own_run_directory_and_arguments() -> None:
+    pytest.importorskip("submitit")
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.submit.executor import for_task
+    from hpc.submit.payload import PretrainJob
+
+    cfg, args = for_task(PretrainConfig(out="runs/sweep/{task}"), ["x"], 3)
+    assert cfg.out == "runs/sweep/3" and args == ["x"]
+    job, _ = for_task(PretrainJob(PretrainConfig(out="runs/s/{task}")), [], 1)
+    assert job.config.out.endswith("/runs/s/1")
+    assert for_task("pkg.mod", ["--seed", "{task}", "--out=r/{task}"], 2)[1] == [
+        "--seed", "2", "--out=r/2"]
+
+
+def test_array_refuses_one_run_directory_for_every_task_and_submit_refuses_arrays() -> None:
+    pytest.importorskip("submitit")
+    from hpc.errors import SubmitError
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.submit.executor import submit, submit_array
+
+    with pytest.raises(SubmitError, match=r"--array 2: every task would write the run "
+                       r"directory runs/x .*\nHINT: put \{task\} in it"):
+        submit_array(PretrainConfig(out="runs/x"), array=2)
+    with pytest.raises(SubmitError, match="array=0: a job array needs at least 1 task"):
+        submit_array(PretrainConfig(out="runs/{task}"))
+    with pytest.raises(SubmitError, match="HINT: call hpc.submit.executor.submit_array"):
+        submit(PretrainConfig(out="runs/x"), array=2)
+    with pytest.raises(SubmitError, match=r"array=-1 \(must be >= 0\)"):
+        SubmitOptions(array=-1).validate()
