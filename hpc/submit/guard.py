@@ -1,15 +1,20 @@
 """The stop request of a preemption: signals -> :class:`PreemptGuard`, polled every step.
 
 The handler only assigns a flag (signal-safe); the training loop polls the guard once per
-step and agrees across ranks (:mod:`hpc.submit.preempt` has the rest of the flow: the
-requeue budget, ``scontrol requeue`` and the exit codes). The variables it reads are
-listed in :mod:`hpc.submit.preempt`.
+step and agrees across ranks. A second source is the stop file (``HPC_STOP_FILE``): where
+the signal never reaches the ranks (``mpirun`` under Slurm does not forward it,
+openpmix/prrte#2136) the batch shell traps it and writes the signal's name into that
+file; the guard looks for it at most every :data:`STOP_FILE_POLL_S` seconds (one
+``stat``), so polling the guard every step stays cheap. :mod:`hpc.submit.preempt` has
+the rest of the flow (the requeue budget, ``scontrol requeue``, the exit codes) and the
+table of the variables it reads.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -17,12 +22,14 @@ from typing import Any, Callable, Optional
 from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
 
-__all__ = ["DEFAULT_SIGNAL", "VALID_SIGNALS", "PreemptGuard", "load_step_hook",
-           "parse_signal", "parse_signals", "preempt_signals"]
+__all__ = ["DEFAULT_SIGNAL", "STOP_FILE_POLL_S", "VALID_SIGNALS", "PreemptGuard",
+           "load_step_hook", "parse_signal", "parse_signals", "preempt_signals"]
 
 DEFAULT_SIGNAL = "USR2"
 #: Warning signals a job may ask for (catchable, and not used by Slurm for job control).
 VALID_SIGNALS = ("USR2", "USR1", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG", "XCPU")
+#: Seconds between two looks at the stop file (``HPC_STOP_FILE``).
+STOP_FILE_POLL_S = 0.5
 
 
 def parse_signal(name: str) -> signal.Signals:
@@ -95,7 +102,13 @@ class PreemptGuard:
         result = pretrain(cfg, stop_requested=guard)
 
     Installing replaces any previous handler of the signal, submitit's included (it would
-    requeue at once from inside the handler, without the agreed stop).
+    requeue at once from inside the handler, without the agreed stop), and unblocks the
+    signals (``python -m hpc.submit.shield`` starts a launcher with SIGTERM blocked, so a
+    preemption's SIGTERM waits, pending, until here).
+
+    The guard also asks for the stop when the stop file exists (``stop_file``, default
+    ``HPC_STOP_FILE``; the templates in ``slurm/`` set it and write it when their batch
+    shell gets the signal); its text may name the signal (``TERM``).
 
     Args:
         signame: The signal, or a comma-separated list (default
@@ -104,11 +117,13 @@ class PreemptGuard:
         environ: Variables to read (default ``os.environ``).
         step_hook: Called at every poll, before the answer (default: the
             ``HPC_STEP_HOOK`` function, see :func:`load_step_hook`).
+        stop_file: The stop file (default ``HPC_STOP_FILE``; empty: none).
     """
 
     def __init__(self, signame: Optional[str] = None,
                  environ: Optional[Mapping[str, str]] = None,
-                 step_hook: Optional[Callable[[], None]] = None) -> None:
+                 step_hook: Optional[Callable[[], None]] = None,
+                 stop_file: Optional[str] = None) -> None:
         env = os.environ if environ is None else environ
         self.signums = parse_signals(signame) if signame else preempt_signals(env)
         self.signum = self.signums[0]
@@ -119,6 +134,9 @@ class PreemptGuard:
         self._announce = env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0")) == "0"
         self._rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
         self.step_hook = step_hook if step_hook is not None else load_step_hook(env)
+        self.stop_file = (env.get("HPC_STOP_FILE", "") if stop_file is None
+                          else stop_file).strip() or None
+        self._next_look = 0.0
 
     @property
     def signal_name(self) -> str:
@@ -129,6 +147,7 @@ class PreemptGuard:
         """Handle the signals from now on (main thread only); returns ``self``."""
         for signum in self.signums:
             self._previous[signum] = signal.signal(signum, self.request)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signums)  # a pending one: now
         return self
 
     def uninstall(self) -> None:
@@ -152,7 +171,30 @@ class PreemptGuard:
                 except OSError:
                     pass
 
+    def _look_at_stop_file(self) -> None:
+        """Request the stop when the stop file exists (at most every STOP_FILE_POLL_S)."""
+        now = time.monotonic()
+        if self.stop_file is None or self.requested or now < self._next_look:
+            return
+        self._next_look = now + STOP_FILE_POLL_S
+        try:
+            with open(self.stop_file) as f:
+                text = f.read(64).strip()
+        except OSError:  # not there (the usual case), or not readable yet
+            return
+        try:
+            received: Optional[signal.Signals] = parse_signal(text) if text else None
+        except SubmitError:
+            received = None
+        self.request()
+        self.received = received
+        if self._announce:
+            print(f"hpc: rank {self._rank}: stop file {self.stop_file} says "
+                  f"{text or 'stop'}: stopping at the next step boundary", file=sys.stderr,
+                  flush=True)
+
     def __call__(self) -> bool:
         if self.step_hook is not None:
             self.step_hook()
+        self._look_at_stop_file()
         return self.requested

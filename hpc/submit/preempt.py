@@ -35,6 +35,10 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
 ``HPC_REQUEUE_MARKER``              a file the batch shell watches: where ``scontrol`` is
                                     missing the master writes the job to requeue there
                                     (set by ``slurm/*.sbatch``)
+``HPC_STOP_FILE``                   a file the guard looks for (at most every 0.5 s): the
+                                    batch shells of ``slurm/torchrun.sbatch`` and
+                                    ``slurm/mpirun.sbatch`` write the signal they got
+                                    there, for ranks the signal does not reach (mpirun)
 ``SLURM_ARRAY_JOB_ID``              with ``SLURM_ARRAY_TASK_ID``: an array task requeues
 ``SLURM_ARRAY_TASK_ID``             ``<array job>_<task>``, not the whole array
 ``HPC_MAX_REQUEUES``                requeue budget (default 3): no requeue once
