@@ -1,0 +1,105 @@
+"""Real Slurm preemption of ``slurm/torchrun.sbatch`` and ``slurm/mpirun.sbatch``.
+
+The sequence of :mod:`tests.integration.test_preemption` (an ``urgent`` job over the nodes
+of a running ``preemptible`` one: Slurm sends SIGTERM to every process of the job's
+steps, SIGKILL after GraceTime), once per template, with ``hpc pretrain`` as payload:
+
+* torchrun: the agents and their workers get the SIGTERM; torchrun shuts its workers down
+  with it, which each worker's PreemptGuard turns into the agreed stop;
+* mpirun (Open MPI): the ``orted`` step gets it, and would end the MPI job at once;
+  the template starts ``mpirun`` and ``orted`` with SIGTERM blocked
+  (``python -m hpc.submit.shield``), so only the ranks act on it.
+
+Each job must be requeued exactly once (history REQUEUED, COMPLETED), resume, and end
+bitwise equal to an uninterrupted run (the reference of ``slurm/pretrain.sbatch``, 4 ranks
+as well), each step in metrics.csv once.
+
+Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_preemption_templates.py``
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc.submit import watch as jobwatch
+from tests.helpers import ROOT, require, sbatch_wait, slurm_env
+from tests.integration.step_hooks import slowed
+
+pytestmark = pytest.mark.slurm
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+from tests.integration.test_preemption import (  # noqa: E402
+    _preempt,
+    _sacct,
+    _sbatch,
+    _until,
+    jobs,  # noqa: F401 - fixture
+    partitions,  # noqa: F401 - fixture
+)
+from tests.integration.test_submit import (  # noqa: E402
+    ENV,
+    STEPS,
+    TINY_ARGS,
+    assert_each_step_once,
+    assert_same_final_weights,
+    train_steps,
+)
+
+CASES = {"torchrun": ("torchrun.sbatch", "hpc-torchrun", None),
+         "mpirun": ("mpirun.sbatch", "hpc-mpirun", "mpirun.openmpi")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of the same tiny pretrain on 4 ranks."""
+    base = tmp_path_factory.mktemp("reference")
+    ref = base / "run"
+    env = slurm_env(**ENV)
+    _, rc, text = sbatch_wait(["-p", "debug", str(ROOT / "slurm" / "pretrain.sbatch"),
+                               *TINY_ARGS, "--out", str(ref)], base, timeout=180, env=env)
+    assert rc == 0, text[-3000:]
+    return ref
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("case", list(CASES))
+def test_template_survives_sigterm_preemption_and_resumes_exactly(
+        case: str, partitions: None, reference: Path, tmp_path: Path,  # noqa: F811
+        jobs: list[str]) -> None:  # noqa: F811
+    template, name, mpirun = CASES[case]
+    job_env = slurm_env(**ENV, **slowed(0.5, runs=1))
+    if mpirun:
+        job_env["HPC_MPIRUN"] = require(mpirun, "Open MPI")
+    out = tmp_path / "run"
+    job_id = _sbatch(["-p", "preemptible", str(ROOT / "slurm" / template), *TINY_ARGS,
+                      "--out", str(out)], tmp_path, job_env, jobs)
+    log = tmp_path / f"{name}-{job_id}.out"
+    ckpts = out / "checkpoints"
+    _until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
+    urgent = _preempt(tmp_path, slurm_env(**ENV), jobs)
+    last = jobwatch.wait(job_id, timeout=240)
+    text = log.read_text()
+    history = _sacct([job_id, urgent])
+    shown = subprocess.run(["scontrol", "show", "job", job_id], check=False,
+                           capture_output=True, text=True, timeout=20).stdout
+    print(f"sacct:\n{history}\n{shown}", file=sys.stderr)
+    assert last.word == "COMPLETED", text[-4000:]
+    assert "got SIGTERM: stopping at the next step boundary" in text, text[-4000:]
+    # one agreed stop ("stopped at step N on SIG...": the signal rank 0 saw; under mpirun
+    # only node2's ranks, in the orted step, get the SIGTERM, and node1's stop with them)
+    assert len(re.findall(r"stopped at step \d+ on SIG", text)) == 1, text[-4000:]
+    assert f"requeueing job {job_id} (restart 1 of" in text, text[-4000:]
+    assert text.count(f"resumed from {ckpts}/ckpt-") == 1, text[-4000:]
+    runs = [r.word for r in jobwatch.history(job_id)]
+    assert runs == ["REQUEUED", "COMPLETED"], (runs, history)  # requeued exactly once
+    assert "Restarts=1" in shown, shown
+    assert jobwatch.current(urgent).word == "COMPLETED", history
+    assert_each_step_once(out)
+    assert_same_final_weights(out, reference)
+    assert STEPS == max(train_steps(out))
