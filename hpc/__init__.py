@@ -27,6 +27,8 @@ __all__ = [
     "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
     "is_master", "is_local_master", "master_only", "barrier", "seed_everything",
     "setup_logging", "sync_model", "sync_gradients", "GradSync",
+    "save_checkpoint", "restore_checkpoint", "Restored", "ResumableSampler", "AgreedStop",
+    "PreemptGuard",
     "HPCError", "LaunchEnvironmentError", "InconsistentEnvironmentError",
     "MasterAddressError", "RendezvousError", "ModelMismatchError", "CheckpointError",
     "SubmitError", "CollectiveError",
@@ -43,6 +45,10 @@ _LAZY = {
     "master_only": "hpc.bootstrap.distributed", "barrier": "hpc.bootstrap.distributed",
     "seed_everything": "hpc.bootstrap.distributed", "setup_logging": "hpc.log",
     "sync_model": "hpc.sync.model", "sync_gradients": "hpc.sync.grads", "GradSync": "hpc.sync.grads",
+    # checkpoint, resume and the agreed stop for any script (docs/preemptible.md)
+    "save_checkpoint": "hpc.submit.resume", "restore_checkpoint": "hpc.submit.resume",
+    "Restored": "hpc.submit.resume", "ResumableSampler": "hpc.submit.sampler",
+    "AgreedStop": "hpc.submit.stop", "PreemptGuard": "hpc.submit.preempt",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -50,10 +50,11 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
         progress: Where the stage stopped, its limit and its checkpoint.
     """
     from hpc.errors import HPCError
-    from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
+    from hpc.submit.preempt import stopped_by_request
+    from hpc.submit.stop import AgreedStop
 
     try:  # first: the warning signal must not kill a rank that is still importing torch
-        guard = PreemptGuard().install()
+        stop = AgreedStop()  # installs the guard
     except HPCError as e:
         print(f"hpc {command}: {e}", file=sys.stderr)
         return 2
@@ -70,12 +71,11 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
     hpc.setup_logging(info, level=getattr(logging, args.log_level),
                       log_file=cfg.out_dir / log_name)
     try:
-        result = stage(cfg, stop_requested=guard)
+        result = stage(cfg, stop_requested=stop.guard)  # agreed inside the loop
     except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
         logger.error("%s", e)
         return 1
     position, limit, checkpoint = progress(result, cfg)
     if stopped_by_request(result.status, position, limit):
-        return requeue_after_stop(position, checkpoint, rank=info.rank,
-                                  signame=guard.signal_name).exit_code
+        return stop.exit_code(position, checkpoint, stopped=True)
     return 0

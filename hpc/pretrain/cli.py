@@ -95,10 +95,11 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
     from hpc.errors import HPCError
-    from hpc.submit.preempt import PreemptGuard, requeue_after_stop, stopped_by_request
+    from hpc.submit.preempt import stopped_by_request
+    from hpc.submit.stop import AgreedStop
 
     try:  # first: the warning signal must not kill a rank that is still importing torch
-        guard = PreemptGuard().install()
+        stop = AgreedStop()  # installs the guard
     except HPCError as e:
         print(f"hpc pretrain: {e}", file=sys.stderr)
         return 2
@@ -116,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     log_file = f"{cfg.out}/pretrain.log" if cfg.out else None
     hpc.setup_logging(info, level=getattr(logging, args.log_level), log_file=log_file)
     try:
-        result = pretrain(cfg, stop_requested=guard)
+        result = pretrain(cfg, stop_requested=stop.guard)  # agreed inside the loop
     except (HPCError, ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         from hpc.bootstrap.failure import note_failure
@@ -124,8 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         note_failure(type(e).__name__)  # the exit aborts the process group
         return 1
     if stopped_by_request(result.status, result.step, cfg.max_steps):
-        return requeue_after_stop(result.step, result.checkpoint, rank=info.rank,
-                                  signame=guard.signal_name).exit_code
+        return stop.exit_code(result.step, result.checkpoint, stopped=True)
     return 0 if result.status in ("completed", "stopped") else 1
 
 

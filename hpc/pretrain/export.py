@@ -20,7 +20,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from hpc.pretrain.checkpoint import save_atomic
+from hpc.submit.checkpoint import save_atomic
 from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
 
 __all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]

@@ -367,7 +367,7 @@ class _Run:
         next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, next_batch)
         self.last_ckpt = resume_mod.save(
             self.cfg, self.run_dir, self.space, self.optimizer, self.scheduler,
-            step=self.step, epoch=next_epoch, batch=next_batch, world=self.world,
+            step=self.step, epoch=next_epoch, batch=next_batch,
             val_acc=self.val_acc)
         if self.is_master and epoch_end and self.run_dir is not None:
             plot_metrics(self.run_dir / "metrics.csv", self.run_dir / "metrics.png")

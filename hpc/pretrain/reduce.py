@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,7 @@ from torch import Tensor, nn
 
 from hpc.errors import ModelMismatchError
 
-__all__ = ["StepReducer", "StepStats", "model_digest", "check_identical",
-           "broadcast_object", "all_ok"]
+__all__ = ["StepReducer", "StepStats", "model_digest", "check_identical"]
 
 
 def _world() -> int:
@@ -132,21 +131,3 @@ def check_identical(module: nn.Module, step: int) -> None:
             "search space has state outside its parameters and BatchNorm buffers.\n"
             "HINT: call hpc.sync_gradients(model) after backward on every rank, and keep "
             "randomness in sample(generator).")
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank (identity without a process group)."""
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def all_ok(ok: bool, device: Optional[torch.device] = None) -> bool:
-    """True on every rank when ``ok`` is true on every rank (one tiny all_reduce)."""
-    if _world() == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=device or torch.device("cpu"))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())

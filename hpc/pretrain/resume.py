@@ -10,6 +10,10 @@ gathered on the master. The architecture draws need no state: they are re-derive
 The master chooses the checkpoint (skipping corrupt ones with a warning) and broadcasts
 its path; every rank then loads that file, so the run directory must be on a filesystem
 every node sees (as it is for any Slurm job writing to ``$HOME`` or a project space).
+
+The generic parts (atomic write, RNG gathering, agreeing on a file, the world-size
+refusal) are :mod:`hpc.submit.resume`'s, the ones a user's own script calls; this module
+keeps only pretrain's layout (config, val_acc), its resume modes and ``--elastic``.
 """
 
 from __future__ import annotations
@@ -25,19 +29,15 @@ from torch import nn
 
 import hpc
 from hpc.errors import CheckpointError
-from hpc.pretrain.checkpoint import (capture_rng, checkpoint_path, list_checkpoints,
-                                     load_checkpoint, load_latest, prune, restore_rng,
-                                     save_atomic)
 from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
-from hpc.pretrain.reduce import all_ok, broadcast_object
 from hpc.pretrain.space import derive_seed
+from hpc.submit.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from hpc.submit.resume import (FORMAT, agree_on_checkpoint, check_world_size, load_states,
+                               save_checkpoint)
 
 __all__ = ["Position", "restore", "save", "set_determinism", "FORMAT"]
 
 logger = logging.getLogger(__name__)
-
-#: Version of the checkpoint layout.
-FORMAT = 1
 
 
 @dataclasses.dataclass
@@ -59,13 +59,9 @@ def set_determinism(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = False if enabled else torch.backends.cudnn.benchmark
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
          optimizer: torch.optim.Optimizer, scheduler: Any, *, step: int, epoch: int,
-         batch: int, world: int, val_acc: list[float]) -> Optional[str]:
+         batch: int, val_acc: list[float]) -> Optional[str]:
     """Checkpoint the state after ``step`` (collective: gathers every rank's RNG).
 
     ``epoch``/``batch`` are the position of the *next* step. Only the global master
@@ -74,26 +70,10 @@ def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
     """
     if run_dir is None:
         return None
-    path = checkpoint_path(run_dir / "checkpoints", step)
-    states: Optional[list[Any]] = None
-    rank = dist.get_rank() if _world() > 1 else 0
-    if _world() > 1:
-        states = [None] * world if rank == 0 else None
-        dist.gather_object(capture_rng(), states, dst=0)
-    else:
-        states = [capture_rng()]
-    if rank != 0:
-        return str(path)
-    payload = {
-        "format": FORMAT, "step": step, "epoch": epoch, "batch": batch,
-        "world_size": world, "seed": cfg.seed, "config": cfg.to_dict(),
-        "val_acc": [float(a) for a in val_acc],
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "rng": states,
-    }
-    save_atomic(payload, path)
-    removed = prune(path.parent, cfg.keep)
-    logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
+    path = save_checkpoint(run_dir / "checkpoints", step, model=model, optimizer=optimizer,
+                           scheduler=scheduler, epoch=epoch, batch=batch, keep=cfg.keep,
+                           extra={"seed": cfg.seed, "config": cfg.to_dict(),
+                                  "val_acc": [float(a) for a in val_acc]})
     return str(path)
 
 
@@ -135,17 +115,14 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
             loads, a rank cannot read it, or the world size changed without
             ``cfg.elastic``.
     """
-    path, payload = _agree_on_checkpoint(cfg, run_dir, rank)
+    path, payload = agree_on_checkpoint(lambda: _choose(cfg, run_dir))
     if path is None or payload is None:
         return Position()
     _warn_config_changes(payload.get("config", {}), cfg)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
+    same = check_world_size(payload, path, world, cfg.elastic, "pass --elastic")
+    load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler, rng=same)
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
-    if int(payload["world_size"]) == world:
-        restore_rng(payload["rng"][rank])
-    else:
+    if not same:
         batch = _continue_elastic(cfg, path, payload, optimizer, scheduler, rank, world,
                                   steps_per_epoch)
     if rank == 0:
@@ -155,38 +132,6 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
                     val_acc=[float(a) for a in payload.get("val_acc", [])])
 
 
-def _agree_on_checkpoint(cfg: PretrainConfig, run_dir: Optional[Path], rank: int
-                         ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-    """(path, payload) on every rank: the master's choice, loaded by each (collective).
-
-    ``(None, None)`` when there is nothing to resume from.
-
-    Raises:
-        CheckpointError: on every rank, when the master's choice failed or any rank
-            could not load the file it chose.
-    """
-    path, error, payload = _choose(cfg, run_dir) if rank == 0 else (None, None, None)
-    path, error = broadcast_object((path, error))
-    if error is not None:
-        raise CheckpointError(error)
-    if path is None:
-        return None, None
-    failure: Optional[CheckpointError] = None
-    if payload is None:
-        try:
-            payload = load_checkpoint(path)
-        except CheckpointError as e:
-            failure = e
-    if not all_ok(failure is None, hpc.device()) or payload is None:
-        raise CheckpointError(
-            f"rank {rank} could not use checkpoint {path} chosen by rank 0"
-            + (f": {str(failure).splitlines()[0]}" if failure else " (another rank failed)")
-            + ".\nEvery rank loads the file the master chose.\n"
-            "HINT: put --out on a filesystem every node mounts (home or project space, "
-            "not node-local /tmp).") from failure
-    return path, payload
-
-
 def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
                       optimizer: torch.optim.Optimizer, scheduler: Any, rank: int,
                       world: int, steps_per_epoch: int) -> int:
@@ -194,20 +139,9 @@ def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
 
     Keeps the sample count of the interrupted epoch, moves the LR schedule to that
     position and reseeds this rank's RNG streams from ``(seed, rank, step)``.
-
-    Raises:
-        CheckpointError: the world size changed and ``cfg.elastic`` is off.
     """
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
     saved_world = int(payload["world_size"])
-    if not cfg.elastic:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {saved_world} ranks but this run has "
-            f"{world}.\nThe sampler's partition, the per-rank RNG streams and the "
-            "steps per epoch depend on the world size, so the resume would not be "
-            "exact.\n"
-            f"HINT: relaunch with {saved_world} ranks, or pass --elastic to continue "
-            "from its weights anyway.")
     saved_batch = int(payload.get("config", {}).get("batch_size", cfg.batch_size))
     consumed = batch * saved_world * saved_batch
     batch = min(consumed // (world * cfg.batch_size), steps_per_epoch)

@@ -7,7 +7,12 @@
 * :mod:`hpc.submit.handle` — :class:`SubmittedJob`: logs, watching, the result;
 * :mod:`hpc.submit.watch` — ``sacct`` state, requeue history, the first failing rank;
 * :mod:`hpc.submit.preempt` — warning signal -> agreed stop -> checkpoint -> requeue
-  (:mod:`hpc.submit.guard`: the signals and the stop request, :class:`PreemptGuard`).
+  (:mod:`hpc.submit.guard`: the signals, the stop file and the stop request, :class:`PreemptGuard`);
+* :mod:`hpc.submit.stop` — :class:`AgreedStop`: the loop's agreed stop, then requeue and exit;
+* :mod:`hpc.submit.resume` — :func:`save_checkpoint` / :func:`restore_checkpoint` for any
+  script (all ranks call, the master writes), on :mod:`hpc.submit.checkpoint`'s files;
+* :mod:`hpc.submit.sampler` — :class:`ResumableSampler`, a mid-epoch resumable
+  ``DistributedSampler``.
 
 Served lazily: importing :mod:`hpc.submit` imports neither torch nor submitit.
 """
@@ -16,11 +21,15 @@ from __future__ import annotations
 
 from hpc._lazy import lazy_attributes
 
-__all__ = ["SubmitOptions", "SubmittedJob", "make_executor", "parse_sbatch",
+__all__ = ["AgreedStop", "Restored", "ResumableSampler", "SubmitOptions", "SubmittedJob",
+           "make_executor", "parse_sbatch", "restore_checkpoint", "save_checkpoint",
            "sbatch_long_options", "submit"]
 
 _LAZY = {"submit": "hpc.submit.executor", "make_executor": "hpc.submit.executor",
          "SubmitOptions": "hpc.submit.options", "parse_sbatch": "hpc.submit.options",
-         "sbatch_long_options": "hpc.submit.options", "SubmittedJob": "hpc.submit.handle"}
+         "sbatch_long_options": "hpc.submit.options", "SubmittedJob": "hpc.submit.handle",
+         "save_checkpoint": "hpc.submit.resume", "restore_checkpoint": "hpc.submit.resume",
+         "Restored": "hpc.submit.resume", "ResumableSampler": "hpc.submit.sampler",
+         "AgreedStop": "hpc.submit.stop"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -43,7 +43,7 @@ pytest.importorskip("sklearn")
 from hpc.submit import watch as jobwatch  # noqa: E402
 from hpc.errors import SubmitError  # noqa: E402
 from hpc.pretrain import PretrainConfig  # noqa: E402
-from hpc.pretrain.checkpoint import load_latest  # noqa: E402
+from hpc.submit.checkpoint import load_latest  # noqa: E402
 from hpc.submit import SubmittedJob, submit  # noqa: E402
 
 STEPS = 22  # 2 epochs x (1437 // (4 ranks x 32)) steps

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from hpc.errors import CheckpointError  # noqa: E402
-from hpc.pretrain.checkpoint import (  # noqa: E402
+from hpc.submit.checkpoint import (  # noqa: E402
     capture_rng,
     checkpoint_path,
     list_checkpoints,
@@ -94,7 +94,7 @@ def test_no_loadable_checkpoint_is_an_error_with_a_hint(tmp_path: Path) -> None:
 def test_foreign_object_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "ckpt-00000001.pt"
     torch.save([1, 2], path)
-    with pytest.raises(CheckpointError, match="not a pretrain checkpoint"):
+    with pytest.raises(CheckpointError, match="not an hpc checkpoint"):
         load_checkpoint(path)
 
 

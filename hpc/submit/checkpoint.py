@@ -1,5 +1,8 @@
 """Checkpoint files: atomic save, keep-last-K, verified load with fallback, RNG states.
 
+The file layer under :mod:`hpc.submit.resume` (the collective save/restore a training
+script calls) and ``hpc pretrain``/``search``/``tune``; no collectives here.
+
 Files are ``ckpt-<step:08d>.pt`` in a checkpoint directory, each with a
 ``ckpt-<step:08d>.pt.sha256`` sidecar in ``sha256sum`` format (``sha256sum -c`` checks
 it). A save writes a temporary file in the same directory, flushes and fsyncs it,
@@ -137,8 +140,9 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
             "HINT: delete it to resume from the previous checkpoint.") from e
     if not isinstance(payload, dict) or "step" not in payload:
         raise CheckpointError(
-            f"{path} holds a {type(payload).__name__} without a 'step', not a pretrain "
-            "checkpoint.\nHINT: point --resume at a file written by hpc pretrain.")
+            f"{path} holds a {type(payload).__name__} without a 'step', not an hpc "
+            "checkpoint.\nHINT: point at a file written by hpc.save_checkpoint or "
+            "hpc pretrain.")
     return payload
 
 
@@ -166,7 +170,8 @@ def load_latest(directory: PathLike) -> Optional[tuple[Path, dict[str, Any]]]:
         raise CheckpointError(
             f"none of the {len(candidates)} checkpoints in {directory} loads: "
             + "; ".join(errors) + ".\n"
-            "HINT: start over with --resume never and a fresh --out directory.")
+            "HINT: start over in a fresh directory (hpc pretrain: --resume never and a "
+            "new --out), or delete the broken files.")
     return None
 
 

@@ -1,0 +1,316 @@
+"""Checkpoint and resume for any training script: the collective save and restore.
+
+Both are called by **every rank**, under any launcher, and keep the IO on the global
+master (the launching guide's rule)::
+
+    hpc.save_checkpoint("ckpt", step, model=model, optimizer=opt, scheduler=sched,
+                        sampler=sampler, epoch=epoch, batch=batch, keep=3)
+    restored = hpc.restore_checkpoint("ckpt", model=model, optimizer=opt,
+                                      scheduler=sched, sampler=sampler)
+
+:func:`save_checkpoint` gathers every rank's RNG states (python, numpy, torch CPU,
+CUDA) on the master, which writes ``ckpt-<step>.pt`` atomically (temporary file, fsync,
+rename, a ``.sha256`` sidecar; :mod:`hpc.submit.checkpoint`) and keeps the newest
+``keep``. :func:`restore_checkpoint` lets the master choose the newest file that loads
+(a truncated or corrupt newer one is skipped with a warning), broadcasts its path, and
+every rank loads it with ``torch.load(weights_only=True)`` into the model, optimizer,
+scheduler and sampler and restores its own RNG states. A checkpoint written by another
+number of ranks is refused unless ``allow_world_change=True``: the sampler's partition
+and the per-rank RNG streams depend on it. The directory must be on a filesystem every
+node sees.
+
+``hpc pretrain``, ``hpc search`` and ``hpc tune`` save and restore through the same
+functions (:func:`save_checkpoint`, :func:`agree_on_checkpoint`, :func:`check_world_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpc.errors import CheckpointError
+from hpc.submit.checkpoint import (capture_rng, checkpoint_path, load_latest, prune,
+                                   restore_rng, save_atomic)
+
+__all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
+           "check_world_size", "load_states", "gather_rng", "broadcast_object", "all_ok",
+           "FORMAT"]
+
+logger = logging.getLogger(__name__)
+
+#: Version of the checkpoint layout.
+FORMAT = 1
+#: Keys of a checkpoint that ``extra`` may not replace.
+RESERVED = ("format", "step", "epoch", "batch", "world_size", "model", "optimizer",
+            "scheduler", "sampler", "rng")
+PathLike = Union[str, Path]
+#: ``choose() -> (path, error, payload)``, called on the global master only.
+Chooser = Callable[[], "tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]"]
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (identity without a process group)."""
+    if _rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_ok(ok: bool, device: Optional[torch.device] = None) -> bool:
+    """True on every rank when ``ok`` is true on every rank (one tiny all_reduce)."""
+    if _rank_world()[1] == 1:
+        return ok
+    from hpc.sync._collective import comm_device
+
+    flag = torch.tensor([1 if ok else 0], device=device or comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def gather_rng() -> Optional[list[Any]]:
+    """Every rank's RNG states (:func:`capture_rng`) on rank 0, ``None`` elsewhere."""
+    rank, world = _rank_world()
+    if world == 1:
+        return [capture_rng()]
+    states: Optional[list[Any]] = [None] * world if rank == 0 else None
+    dist.gather_object(capture_rng(), states, dst=0)
+    return states
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP (its state dict without the ``module.`` prefix)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None,
+                    scheduler: Any = None, sampler: Any = None, epoch: int = 0,
+                    batch: int = 0, keep: int = 3,
+                    extra: Optional[dict[str, Any]] = None) -> Path:
+    """Checkpoint the state after ``step`` (collective: call it on every rank).
+
+    The global master writes ``directory/ckpt-<step>.pt`` atomically with its checksum
+    and deletes all but the newest ``keep``; the others only send their RNG states.
+    Returns after the file is in place, on every rank.
+
+    Args:
+        directory: Checkpoint directory (created; on a filesystem every node sees).
+        step: Global steps done; names the file.
+        model: Its ``state_dict`` (a DDP wrapper is unwrapped).
+        optimizer: Saved when given.
+        scheduler: Saved when given (anything with ``state_dict``).
+        sampler: Saved when given: its epoch, position and layout (a
+            ``DistributedSampler`` or :class:`~hpc.submit.sampler.ResumableSampler`).
+        epoch: The epoch of the *next* step.
+        batch: Batches of ``epoch`` already done (0 at an epoch boundary).
+        keep: Checkpoints kept (0: all).
+        extra: More plain values (tensors, numbers, strings, lists, dicts) stored at the
+            top level of the file, e.g. ``{"best_acc": 0.97}``.
+
+    Raises:
+        CheckpointError: on every rank, when the master could not write the file.
+        ValueError: ``extra`` uses a reserved key, or ``keep`` is negative.
+    """
+    clash = sorted(set(extra or ()) & set(RESERVED))
+    if clash or keep < 0:
+        raise ValueError(f"save_checkpoint: extra keys {clash} are reserved ({RESERVED})"
+                         if clash else f"save_checkpoint: keep={keep} is negative.\n"
+                         "HINT: keep=0 keeps every checkpoint.")
+    rank, world = _rank_world()
+    states = gather_rng()
+    path = checkpoint_path(directory, step)
+    error = None
+    if rank == 0:
+        payload = {**(extra or {}), "format": FORMAT, "step": int(step),
+                   "epoch": int(epoch), "batch": int(batch), "world_size": world,
+                   "model": _unwrap(model).state_dict(), "rng": states}
+        if optimizer is not None:
+            payload["optimizer"] = optimizer.state_dict()
+        if scheduler is not None:
+            payload["scheduler"] = scheduler.state_dict()
+        if sampler is not None:
+            payload["sampler"] = _sampler_state(sampler)
+        try:
+            save_atomic(payload, path)
+            removed = prune(path.parent, keep)
+            logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
+        except Exception as e:  # disk full, permissions, unpicklable extra
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(
+            f"rank 0 could not write checkpoint {path}: {error}.\n"
+            "The run continues from the previous checkpoint if it is restarted.\n"
+            "HINT: check free space and permissions of the directory, and that extra= "
+            "holds only tensors and plain Python values.")
+    return path
+
+
+def _sampler_state(sampler: Any) -> dict[str, Any]:
+    own = sampler.state_dict() if hasattr(sampler, "state_dict") else {}
+    return {**own, "epoch": int(getattr(sampler, "epoch", 0)),
+            "num_replicas": int(getattr(sampler, "num_replicas", 1)),
+            "seed": int(getattr(sampler, "seed", 0))}
+
+
+@dataclasses.dataclass
+class Restored:
+    """Where a restored run continues (the same on every rank).
+
+    Attributes:
+        path: The checkpoint loaded.
+        step: Global steps done when it was written.
+        epoch: The epoch of the next step.
+        batch: Batches of ``epoch`` already done (the sampler skips them).
+        world_size: Ranks that wrote it.
+        payload: The whole file, ``extra`` values included.
+    """
+
+    path: str
+    step: int
+    epoch: int
+    batch: int
+    world_size: int
+    payload: dict[str, Any]
+
+
+def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+    """(path, payload) on every rank: the master's choice, loaded by each (collective).
+
+    ``choose`` runs on rank 0 only and returns ``(path, error, payload)``; ``(None,
+    None)`` comes back when there is nothing to resume from.
+
+    Raises:
+        CheckpointError: on every rank, when the master's choice failed or a rank could
+            not load the file it chose (it is not on a shared filesystem).
+    """
+    from hpc.submit.checkpoint import load_checkpoint
+
+    rank, _ = _rank_world()
+    path, error, payload = choose() if rank == 0 else (None, None, None)
+    path, error = broadcast_object((path, error))
+    if error is not None:
+        raise CheckpointError(error)
+    if path is None:
+        return None, None
+    failure: Optional[CheckpointError] = None
+    if payload is None:
+        try:
+            payload = load_checkpoint(path)
+        except CheckpointError as e:
+            failure = e
+    if not all_ok(failure is None) or payload is None:
+        raise CheckpointError(
+            f"rank {rank} could not use checkpoint {path} chosen by rank 0"
+            + (f": {str(failure).splitlines()[0]}" if failure else " (another rank failed)")
+            + ".\nEvery rank loads the file the master chose.\n"
+            "HINT: put the checkpoint directory on a filesystem every node mounts (home "
+            "or project space, not node-local /tmp).") from failure
+    return path, payload
+
+
+def check_world_size(payload: dict[str, Any], path: str, world: int, allowed: bool,
+                     hint: str) -> bool:
+    """True when ``payload`` was written by ``world`` ranks; False when not but ``allowed``.
+
+    Raises:
+        CheckpointError: the world size differs and ``allowed`` is false (``hint`` says
+            how to allow it).
+    """
+    saved = int(payload.get("world_size", world))
+    if saved == world:
+        return True
+    if allowed:
+        return False
+    raise CheckpointError(
+        f"checkpoint {path} was written by {saved} ranks but this run has {world}.\n"
+        "The sampler's partition, the per-rank RNG streams and the steps per epoch "
+        "depend on the world size, so the resume would not be exact.\n"
+        f"HINT: relaunch with {saved} ranks, or {hint} to continue from its weights anyway.")
+
+
+def load_states(payload: dict[str, Any], *, model: nn.Module,
+                optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None,
+                rng: bool = True) -> None:
+    """Put a checkpoint's states into the given objects (this rank's RNG when ``rng``)."""
+    _unwrap(model).load_state_dict(payload["model"])
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is not None:
+            if name not in payload:
+                raise CheckpointError(f"the checkpoint holds no {name} state.\nHINT: "
+                                      f"pass {name}= to save_checkpoint too, or not here.")
+            obj.load_state_dict(payload[name])
+    if rng:
+        restore_rng(payload["rng"][_rank_world()[0]])
+
+
+def restore_checkpoint(directory: PathLike, *, model: nn.Module,
+                       optimizer: Optional[torch.optim.Optimizer] = None,
+                       scheduler: Any = None, sampler: Any = None,
+                       allow_world_change: bool = False) -> Optional[Restored]:
+    """Load the newest usable checkpoint of ``directory`` on every rank (collective).
+
+    Returns ``None`` (and changes nothing) when there is none yet: a fresh start.
+
+    Args:
+        directory: What :func:`save_checkpoint` wrote to.
+        model: Loaded with the saved weights (a DDP wrapper is unwrapped).
+        optimizer: Loaded when given.
+        scheduler: Loaded when given.
+        sampler: Moved to the saved epoch, and past the batches already done
+            (:class:`~hpc.submit.sampler.ResumableSampler`).
+        allow_world_change: Continue from a checkpoint of another number of ranks: the
+            states are loaded, the RNG is not restored and the sampler resumes at the
+            same sample count; not exact.
+
+    Raises:
+        CheckpointError: on every rank: no file in ``directory`` loads, a rank cannot
+            read the chosen one, or the world size changed without
+            ``allow_world_change``.
+    """
+    directory = Path(directory)
+
+    def choose() -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
+        try:
+            found = load_latest(directory)
+        except CheckpointError as e:
+            return None, str(e), None
+        return (str(found[0]), None, found[1]) if found else (None, None, None)
+
+    path, payload = agree_on_checkpoint(choose)
+    if path is None or payload is None:
+        return None
+    rank, world = _rank_world()
+    same = check_world_size(payload, path, world, allow_world_change,
+                            "pass allow_world_change=True")
+    load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler, rng=same)
+    epoch, batch = int(payload["epoch"]), int(payload["batch"])
+    saved_world = int(payload["world_size"])
+    if not same:
+        batch = batch * saved_world // world
+        if rank == 0:
+            logger.warning("world size changed %d -> %d: resuming from %s NOT exactly "
+                           "(RNG not restored; epoch %d continues at batch %d)",
+                           saved_world, world, path, epoch, batch)
+    if sampler is not None:
+        from hpc.submit.sampler import position_sampler
+
+        position_sampler(sampler, epoch, batch, payload.get("sampler"), path)
+    if rank == 0:
+        logger.info("resumed from %s: step %d done, next: epoch %d (from 0) batch %d", path,
+                    int(payload["step"]), epoch, batch)
+    return Restored(path=path, step=int(payload["step"]), epoch=epoch, batch=batch,
+                    world_size=saved_world, payload=payload)

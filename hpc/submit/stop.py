@@ -1,0 +1,126 @@
+"""The agreed stop for a training loop, and "requeue (or not) and exit" at its end.
+
+A preemption signal reaches some ranks and not others, and at different moments. A loop
+that stopped on its own rank's flag would leave the others waiting in the next
+collective. :class:`AgreedStop` turns the local requests of a
+:class:`~hpc.submit.preempt.PreemptGuard` into one answer every rank gets at the same
+step: one ``all_reduce(MAX)`` of a one-element tensor, on the steps where
+``step % every == 0`` (a rule all ranks know in advance, so they reduce together)::
+
+    stop = hpc.AgreedStop()              # installs the guard: first thing in the script
+    ...
+    for step in ...:
+        train_step()
+        if stop(step):                   # True on every rank at the same step
+            hpc.save_checkpoint("ckpt", step, model=model, ...)
+            stop.requeue_and_exit(step, "ckpt")   # exits 75 when requeued
+
+The exit codes are those of ``hpc pretrain`` (:func:`~hpc.submit.preempt.requeue_after_stop`):
+75 after a requeue, 0 outside Slurm (rerun to resume), 1 when the job could not be
+requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (see
+``docs/preemptible.md``); ``every=k`` divides it by ``k`` and delays the stop by at most
+``k - 1`` steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn, Optional
+
+from hpc.submit.preempt import PreemptGuard, requeue_after_stop
+
+__all__ = ["AgreedStop"]
+
+
+class AgreedStop:
+    """An agreed-stop check, cheap enough to call every step.
+
+    Args:
+        guard: The signal source (default: a new :class:`PreemptGuard`, installed now:
+            ``HPC_PREEMPT_SIGNALS``, else the warning signal and TERM).
+        every: Agree only on steps that are multiples of ``every`` (the same on every
+            rank); other calls return False without a collective.
+
+    Attributes:
+        stopped: True once a call returned True.
+        step: The step of that call.
+    """
+
+    def __init__(self, guard: Optional[PreemptGuard] = None, *, every: int = 1) -> None:
+        if int(every) < 1:
+            raise ValueError(f"AgreedStop: every={every} must be >= 1 (1: every step).")
+        self.guard = guard if guard is not None else PreemptGuard().install()
+        self.every = int(every)
+        self.stopped = False
+        self.step: Optional[int] = None
+        self._flag: Any = None
+
+    @property
+    def requested(self) -> bool:
+        """This rank's own request (no collective, no step hook)."""
+        return self.guard.requested
+
+    @property
+    def signal_name(self) -> str:
+        """The signal that asked for the stop (for messages)."""
+        return self.guard.signal_name
+
+    def __call__(self, step: int) -> bool:
+        """True on every rank once any rank got a stop signal (collective on due steps).
+
+        Call it on every rank after each step with the same ``step``. It runs the
+        guard's step hook (``HPC_STEP_HOOK``) on every call.
+        """
+        local = self.guard()
+        if self.stopped:
+            return True
+        if step % self.every:
+            return False
+        agreed = self._agree(local)
+        if agreed:
+            self.stopped, self.step = True, int(step)
+        return agreed
+
+    def _agree(self, local: bool) -> bool:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local
+        if self._flag is None:
+            import torch
+
+            from hpc.sync._collective import comm_device
+
+            self._flag = torch.zeros(1, dtype=torch.int32, device=comm_device())
+        self._flag.fill_(1 if local else 0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        return bool(self._flag.item())
+
+    def exit_code(self, step: int, checkpoint: Optional[str] = None, *,
+                  stopped: Optional[bool] = None) -> int:
+        """The exit status after the loop: requeue first when it stopped (collective).
+
+        Args:
+            step: The last step done.
+            checkpoint: That step's checkpoint (for the messages).
+            stopped: Whether the loop ended on a stop request (default
+                ``stopped``; loops that agree on their own pass it).
+
+        Returns:
+            0 when the loop was not stopped, else the outcome of
+            :func:`~hpc.submit.preempt.requeue_after_stop` (75 requeued, 0 not a
+            Slurm job, 1 not requeued), the same on every rank.
+        """
+        if not (self.stopped if stopped is None else stopped):
+            return 0
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return requeue_after_stop(step, None if checkpoint is None else str(checkpoint),
+                                  rank=rank, signame=self.signal_name).exit_code
+
+    def requeue_and_exit(self, step: int, checkpoint: Optional[str] = None) -> NoReturn:
+        """:meth:`exit_code`, then ``sys.exit`` with it (collective)."""
+        code = self.exit_code(step, checkpoint)
+        sys.stdout.flush()
+        sys.exit(code)
