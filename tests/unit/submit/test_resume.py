@@ -1,0 +1,189 @@
+"""hpc.save_checkpoint / hpc.restore_checkpoint / hpc.ResumableSampler / hpc.AgreedStop in
+one process (no process group; the 2-rank behaviour is tested with real processes in
+tests/integration/test_docs_examples.py and test_preemption.py)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+import hpc  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
+from hpc.submit.checkpoint import list_checkpoints, load_checkpoint, save_atomic  # noqa: E402
+from hpc.submit.preempt import PreemptGuard  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
+
+
+def objects(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
+    return dict(model=model, optimizer=opt, scheduler=sched)
+
+
+def train(states: dict, steps: int) -> None:
+    model, opt, sched = states["model"], states["optimizer"], states["scheduler"]
+    for _ in range(steps):
+        loss = model(torch.randn(5, 4)).square().mean()  # dropout + data: both RNG
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def test_round_trip_is_bitwise_exact_and_keeps_the_newest_n(tmp_path: Path) -> None:
+    a = objects()
+    train(a, 4)
+    for step in (4, 5, 6, 7):
+        hpc.save_checkpoint(tmp_path, step, **a, epoch=1, batch=step, keep=2,
+                            extra={"best": 0.5})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000006.pt",
+                                                            "ckpt-00000007.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000006.pt", "ckpt-00000006.pt.sha256", "ckpt-00000007.pt",
+        "ckpt-00000007.pt.sha256"]  # no temp files, sidecars pruned too
+    random.random(), np.random.rand()
+    train(a, 3)  # the uninterrupted continuation, from the RNG state at save time...
+    b = objects(seed=1)  # ...and a fresh process state restored from the file
+    torch.manual_seed(99)
+    restored = hpc.restore_checkpoint(tmp_path, **b)
+    assert restored is not None and restored.step == 7 and restored.payload["best"] == 0.5
+    assert (restored.epoch, restored.batch, restored.world_size) == (1, 7, 1)
+    assert b["scheduler"].last_epoch == 4 and b["optimizer"].param_groups[0]["lr"] == 0.05
+    train(b, 3)
+    for x, y in zip(a["model"].state_dict().values(), b["model"].state_dict().values()):
+        assert torch.equal(x, y)
+
+
+def test_no_checkpoint_is_a_fresh_start(tmp_path: Path) -> None:
+    assert hpc.restore_checkpoint(tmp_path / "none", **objects()) is None
+
+
+def test_corrupt_or_truncated_newest_falls_back_to_the_previous(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a = objects()
+    for step in (1, 2, 3):
+        hpc.save_checkpoint(tmp_path, step, **a, keep=3)
+    newest, middle = tmp_path / "ckpt-00000003.pt", tmp_path / "ckpt-00000002.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    data = bytearray(middle.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the checksum catches it
+    middle.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        restored = hpc.restore_checkpoint(tmp_path, **objects(seed=1))
+    assert restored is not None and restored.step == 1
+    assert "skipping checkpoint ckpt-00000003.pt" in caplog.text
+    assert "skipping checkpoint ckpt-00000002.pt" in caplog.text and "SHA-256" in caplog.text
+    (tmp_path / "ckpt-00000001.pt").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="none of the 3 checkpoints"):
+        hpc.restore_checkpoint(tmp_path, **objects())
+
+
+def _written_by(tmp_path: Path, world: int, batch: int = 0) -> dict:
+    a = objects()
+    path = hpc.save_checkpoint(tmp_path, 5, **a, epoch=2, batch=batch)
+    payload = load_checkpoint(path)
+    payload.update(world_size=world, rng=payload["rng"] * world)
+    save_atomic(payload, path)  # as if `world` ranks had written it
+    return a
+
+
+def test_a_different_world_size_is_refused_unless_allowed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a = _written_by(tmp_path, 4, batch=6)
+    b = objects(seed=1)
+    with pytest.raises(CheckpointError) as err:
+        hpc.restore_checkpoint(tmp_path, **b)
+    text = str(err.value)
+    assert "written by 4 ranks but this run has 1" in text
+    assert "HINT: relaunch with 4 ranks, or pass allow_world_change=True" in text
+    assert not torch.equal(b["model"][0].weight, a["model"][0].weight)  # nothing loaded
+    with caplog.at_level(logging.WARNING):
+        restored = hpc.restore_checkpoint(tmp_path, **b, allow_world_change=True)
+    assert restored is not None and restored.batch == 24  # same sample count: 6 x 4 / 1
+    assert torch.equal(b["model"][0].weight, a["model"][0].weight)
+    assert "world size changed 4 -> 1" in caplog.text and "NOT exactly" in caplog.text
+
+
+def data(n: int = 64) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+def test_resumable_sampler_skips_the_done_batches_once() -> None:
+    plain = DistributedSampler(data(), num_replicas=2, rank=1, seed=3)
+    ours = hpc.ResumableSampler(data(), batch_size=4, num_replicas=2, rank=1, seed=3)
+    for epoch in (0, 1):
+        plain.set_epoch(epoch)
+        ours.set_epoch(epoch)
+        assert list(ours) == list(plain)  # the same order and shard as DistributedSampler
+    ours.resume_at(1, 3)
+    ours.set_epoch(1)  # the loop's own set_epoch keeps the resumed epoch's skip
+    assert ours.start_batch == 3 and len(ours) == 32 - 12
+    assert list(ours) == list(plain)[12:]
+    assert ours.start_batch == 0 and list(ours) == list(plain)  # once only
+    ours.resume_at(1, 3)
+    ours.set_epoch(2)  # another epoch: whole
+    plain.set_epoch(2)
+    assert list(ours) == list(plain)
+
+
+def test_restore_positions_the_sampler(tmp_path: Path) -> None:
+    a = objects()
+    sampler = hpc.ResumableSampler(data(), batch_size=4, num_replicas=1, rank=0)
+    hpc.save_checkpoint(tmp_path, 9, **a, sampler=sampler, epoch=1, batch=5)
+    other = hpc.ResumableSampler(data(), batch_size=4, num_replicas=1, rank=0)
+    restored = hpc.restore_checkpoint(tmp_path, **objects(), sampler=other)
+    assert restored is not None and (other.epoch, other.start_batch) == (1, 5)
+    wrong = hpc.ResumableSampler(data(), batch_size=8, num_replicas=1, rank=0)
+    with pytest.raises(CheckpointError, match="batch_size=4 but the sampler has batch_size=8"):
+        hpc.restore_checkpoint(tmp_path, **objects(), sampler=wrong)
+    plain = DistributedSampler(data(), num_replicas=1, rank=0)
+    with pytest.raises(CheckpointError, match="(?s)after batch 5 of epoch 1.*HINT: use "
+                       "hpc.ResumableSampler"):
+        hpc.restore_checkpoint(tmp_path, **objects(), sampler=plain)
+
+
+def test_save_refuses_reserved_extra_keys(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        hpc.save_checkpoint(tmp_path, 1, **objects(), extra={"model": 1})
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="(?s)rank 0 could not write checkpoint.*HINT"):
+        hpc.save_checkpoint(tmp_path / "file" / "sub", 1, **objects())
+
+
+def test_agreed_stop_checks_only_on_due_steps_and_exits_0_outside_slurm() -> None:
+    guard = PreemptGuard("USR2")  # not installed: request() by hand
+    stop = hpc.AgreedStop(guard, every=3)
+    assert not stop(1) and not stop(3) and stop.exit_code(3) == 0  # nothing requested
+    guard.request()
+    assert stop.requested and not stop(4) and not stop(5)  # not due: no agreement yet
+    assert stop(6) and stop.stopped and stop.step == 6 and stop(7)
+    assert stop.exit_code(6, "ckpt") == 0  # "not-slurm": rerun to resume
+    with pytest.raises(SystemExit) as exit_:
+        stop.requeue_and_exit(6, "ckpt")
+    assert exit_.value.code == 0
+    with pytest.raises(ValueError, match="every=0"):
+        hpc.AgreedStop(guard, every=0)
+
+
+def test_agreed_stop_in_a_slurm_job_without_requeue_budget_exits_1(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("HPC_MAX_REQUEUES", "0")
+    guard = PreemptGuard("TERM")
+    guard.request()
+    stop = hpc.AgreedStop(guard)
+    assert stop(1) and stop.exit_code(1) == 1
+    monkeypatch.delenv("SLURM_JOB_ID")
