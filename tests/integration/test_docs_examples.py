@@ -3,14 +3,18 @@ docs say it prints (the pages include these files with ``literalinclude``)."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, hpc_run
+from tests.helpers import ROOT, clean_env, hpc_run, kill_group
+from tests.integration.step_hooks import slowed
 
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
 
@@ -38,10 +42,64 @@ def check_train_supernet(proc: subprocess.CompletedProcess[str], tmp: Path) -> N
     assert len({(used, total) for _, used, total in rows}) == 1, "ranks diverged"
 
 
+DONE = re.compile(r"rank (\d): done step (\d+) digest (\w+)")
+
+
+def _done(text: str) -> tuple[int, str]:
+    """(step, digest) every rank printed at the end; asserts they agree."""
+    rows = DONE.findall(text)
+    assert sorted(r for r, _, _ in rows) == ["0", "1"], text
+    assert len({(s, d) for _, s, d in rows}) == 1, f"ranks ended differently: {rows}"
+    return int(rows[0][1]), rows[0][2]
+
+
+def check_train_preemptible(proc: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """``proc`` ran uninterrupted (the reference). Then: USR2 to rank 1 only, mid-run ->
+    both ranks stop at the same step with a checkpoint, exit 0 (not a Slurm job); the
+    rerun resumes from it and ends with the reference's digest, bitwise."""
+    ref_step, ref_digest = _done(proc.stdout)
+    assert ref_step == 256 and "resumed from" not in proc.stderr
+    out = tmp / "interrupted"
+    argv = [sys.executable, "-m", "hpc", "run", "--nproc", "2", "--",
+            str(ROOT / "docs" / "examples" / "train_preemptible.py"), "--out", str(out)]
+    run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=clean_env(**slowed(0.02)), cwd=ROOT, start_new_session=True)
+    lines, pids = [], {}
+    try:
+        assert run.stdout is not None
+        for line in run.stdout:
+            lines.append(line)
+            if m := re.search(r"rank (\d): pid (\d+)", line):
+                pids[m.group(1)] = int(m.group(2))
+            if "epoch 1/4 step 64" in line:  # training under way: signal one rank only
+                os.kill(pids["1"], signal.SIGUSR2)
+                break
+        lines += run.stdout.readlines()
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            kill_group(run)
+    text = "".join(lines)
+    assert run.returncode == 0, text
+    stops = re.findall(r"rank (\d): stopped at step (\d+)", text)
+    assert sorted(r for r, _ in stops) == ["0", "1"], text
+    assert len({s for _, s in stops}) == 1, f"ranks stopped at different steps: {stops}"
+    step = int(stops[0][1])
+    assert 64 <= step < 256 and "done step" not in text, text
+    assert (out / "checkpoints" / f"ckpt-{step:08d}.pt").is_file()
+    assert "Not a Slurm job, nothing to requeue: rerun the same command to resume." in text
+    resumed = hpc_run(2, argv[7:], timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {out}/checkpoints/ckpt-{step:08d}.pt: step {step} done" in \
+        resumed.stderr, resumed.stderr
+    assert _done(resumed.stdout) == (ref_step, ref_digest), "resume is not bitwise exact"
+
+
 #: Expected output of each example; a new example needs an entry here.
 CHECKS: dict[str, tuple[list[str], Callable[[subprocess.CompletedProcess[str], Path], None]]] = {
     "train_minimal.py": (["--out", "{tmp}"], check_train_minimal),
     "train_supernet.py": ([], check_train_supernet),
+    "train_preemptible.py": (["--out", "{tmp}/reference"], check_train_preemptible),
 }
 
 
@@ -50,7 +108,7 @@ def test_every_example_has_a_check() -> None:
     assert sorted(p.name for p in EXAMPLES) == sorted(CHECKS)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs_under_hpc_run(path: Path, tmp_path: Path) -> None:
     args, check = CHECKS[path.name]

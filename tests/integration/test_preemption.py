@@ -22,6 +22,7 @@ Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/int
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -46,6 +47,7 @@ from tests.integration.test_submit import (  # noqa: E402
     TINY_ARGS,
     assert_each_step_once,
     assert_same_final_weights,
+    final_state,
     train_steps,
 )
 
@@ -156,3 +158,57 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     assert_each_step_once(out)
     assert_same_final_weights(out, ref)
     assert STEPS == max(train_steps(out))
+
+
+EXAMPLE = str(ROOT / "docs" / "examples" / "train_preemptible.py")
+DONE = r"rank (\d): done step (\d+) digest (\w+)"
+
+
+def _final_digests(text: str) -> set[tuple[str, str]]:
+    rows = re.findall(DONE, text)
+    assert sorted(r for r, _, _ in rows) == ["0", "1", "2", "3"], text[-3000:]
+    return {(s, d) for _, s, d in rows}
+
+
+@pytest.mark.timeout(300)
+def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
+        partitions: None, tmp_path: Path, jobs: list[str]) -> None:
+    """docs/examples/train_preemptible.py (own model, optimizer, scheduler, sampler; hpc's
+    save/restore/AgreedStop) in ``preemptible``, preempted once by an urgent job."""
+    env = slurm_env(**ENV)
+    ref = tmp_path / "reference"
+    ref_id, rc, ref_text = sbatch_wait(["-p", "debug", TEMPLATE, "python", EXAMPLE, "--out",
+                                        str(ref)], tmp_path, timeout=180, env=env)
+    assert rc == 0, ref_text[-3000:]
+    reference = _final_digests(ref_text)
+    assert len(reference) == 1 and next(iter(reference))[0] == "128", reference
+
+    out = tmp_path / "run"
+    job_id = _sbatch(["-p", "preemptible", TEMPLATE, "python", EXAMPLE, "--out", str(out)],
+                     tmp_path, slurm_env(**ENV, **slowed(0.2, runs=1)), jobs)
+    _until("checkpoint 20", lambda: (out / "checkpoints" / "ckpt-00000020.pt").exists(),
+           job_id)
+    urgent = _preempt(tmp_path, env, jobs)
+    last = jobwatch.wait(job_id, timeout=200)
+    text = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
+    history = _sacct([job_id, urgent])
+    show = subprocess.run(["scontrol", "show", "job", job_id], check=False,
+                          capture_output=True, text=True, timeout=20).stdout
+    print(f"sacct:\n{history}\nscontrol: "
+          f"{[w for w in show.split() if w.startswith(('JobState', 'Restarts'))]}\n"
+          f"reference {reference}", file=sys.stderr)
+    assert last.word == "COMPLETED", text[-4000:]
+    assert text.count("got SIGTERM: stopping at the next step boundary") == 2, text[-4000:]
+    stops = re.findall(r"rank (\d): stopped at step (\d+)", text)
+    assert sorted(r for r, _ in stops) == ["0", "1", "2", "3"], text[-4000:]
+    (stop_step,) = {s for _, s in stops}  # every rank at the same step
+    assert f"requeueing job {job_id} (restart 1 of" in text
+    assert f"resumed from {out}/checkpoints/ckpt-{int(stop_step):08d}.pt" in text
+    runs = [r.word for r in jobwatch.history(job_id)]
+    assert runs == ["REQUEUED", "COMPLETED"], (runs, history)  # requeued exactly once
+    assert "Restarts=1" in show, show
+    assert jobwatch.current(urgent).word == "COMPLETED", history
+    assert _final_digests(text) == reference  # bitwise equal to the uninterrupted run
+    a = final_state(out)["model"]
+    b = final_state(ref)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
