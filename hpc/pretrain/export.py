@@ -20,8 +20,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from hpc.submit.checkpoint import save_atomic
 from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
+from hpc.submit.checkpoint import save_atomic
 
 __all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]
 

@@ -32,8 +32,13 @@ from hpc.errors import CheckpointError
 from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
 from hpc.pretrain.space import derive_seed
 from hpc.submit.checkpoint import list_checkpoints, load_checkpoint, load_latest
-from hpc.submit.resume import (FORMAT, agree_on_checkpoint, check_world_size, load_states,
-                               save_checkpoint)
+from hpc.submit.resume import (
+    FORMAT,
+    agree_on_checkpoint,
+    check_world_size,
+    load_states,
+    save_checkpoint,
+)
 
 __all__ = ["Position", "restore", "save", "set_determinism", "FORMAT"]
 

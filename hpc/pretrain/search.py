@@ -37,15 +37,15 @@ from torch import nn
 
 import hpc
 from hpc.errors import CheckpointError
-from hpc.submit.checkpoint import checkpoint_path, load_latest, prune, save_atomic
 from hpc.pretrain.data import PretrainData
 from hpc.pretrain.evaluate import validate
 from hpc.pretrain.evolution import Arch, enumerate_archs, propose, rank_key, space_size
 from hpc.pretrain.export import count_params, extract
-from hpc.submit.resume import all_ok, broadcast_object
 from hpc.pretrain.resume import set_determinism
 from hpc.pretrain.search_config import SEARCH_EXACTNESS_FIELDS, SearchConfig
 from hpc.pretrain.trained import LoadedRun, load_run, measure_latency, recal_images
+from hpc.submit.checkpoint import checkpoint_path, load_latest, prune, save_atomic
+from hpc.submit.resume import all_ok, broadcast_object
 
 __all__ = ["SearchResult", "search"]
 

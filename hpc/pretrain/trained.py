@@ -21,11 +21,11 @@ from torch import Tensor, nn
 
 import hpc
 from hpc.errors import CheckpointError
-from hpc.submit.checkpoint import load_checkpoint, load_latest
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, load_data
-from hpc.submit.resume import broadcast_object
 from hpc.pretrain.space import VAL_STREAM, Supernet, derive_seed
+from hpc.submit.checkpoint import load_checkpoint, load_latest
+from hpc.submit.resume import broadcast_object
 
 __all__ = ["LoadedRun", "load_run", "measure_latency", "recal_images"]
 

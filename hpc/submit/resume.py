@@ -35,8 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hpc.errors import CheckpointError
-from hpc.submit.checkpoint import (capture_rng, checkpoint_path, load_latest, prune,
-                                   restore_rng, save_atomic)
+from hpc.submit.checkpoint import (
+    capture_rng,
+    checkpoint_path,
+    load_latest,
+    prune,
+    restore_rng,
+    save_atomic,
+)
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
            "check_world_size", "load_states", "gather_rng", "broadcast_object", "all_ok",

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from hpc.errors import CheckpointError  # noqa: E402
+from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
 from hpc.submit.checkpoint import (  # noqa: E402
     capture_rng,
     checkpoint_path,
@@ -22,7 +23,6 @@ from hpc.submit.checkpoint import (  # noqa: E402
     restore_rng,
     save_atomic,
 )
-from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
 
 
 def payload(step: int) -> dict:
