@@ -8,7 +8,8 @@
 * :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first;
 * :mod:`hpc.bootstrap.watchdog` — after init: the stuck-rank report, one failing rank
   ends the job (with :mod:`hpc.bootstrap.tracker`, the collective sequence numbers, and
-  :mod:`hpc.bootstrap.report`, the report's text).
+  :mod:`hpc.bootstrap.report`, the report's text);
+* :mod:`hpc.bootstrap.shutdown` — at exit: destroy, abort or end the group, by what happened.
 
 Nothing here is imported by ``import hpc``; the public names are served by :mod:`hpc`.
 """

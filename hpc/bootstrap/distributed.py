@@ -18,8 +18,6 @@ import functools
 import logging
 import os
 import random
-import sys
-import time
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -268,67 +266,13 @@ def teardown() -> None:
 
     A failing process (:func:`hpc.bootstrap.failure.failed`) aborts the group instead:
     destroying it flushes pending NCCL work, which hangs when peers are gone, and the
-    launcher's kill-on-bad-exit or ``hpc run``'s report would never come.
+    launcher's kill-on-bad-exit or ``hpc run``'s report would never come. The how is
+    :func:`hpc.bootstrap.shutdown.close_group`.
     """
-    try:
-        import gc
+    from hpc.bootstrap import shutdown
 
-        import torch.distributed as dist
-
-        from hpc.bootstrap import failure, watchdog
-
-        dog = watchdog.stop()
-        if dog is not None and dog.failure is not None:
-            # A collective failed: the group's connections are broken; destroying it
-            # can block, and gloo aborts the interpreter's shutdown (SIGABRT). End here.
-            dog.finish()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(watchdog.EXIT_CODE)
-        if dist.is_available() and dist.is_initialized() and failure.failed():
-            _abort_group(dist)
-        elif dist.is_available() and dist.is_initialized():
-            # Free unreferenced Work handles while the group still exists: a gloo Work
-            # destroyed after its group, during interpreter shutdown, can abort the
-            # process ("terminate called without an active exception").
-            gc.collect()
-            dist.destroy_process_group()
-            gc.collect()
-            _let_workers_finish()
-    except Exception as e:  # pragma: no cover - best effort at exit
-        logger.debug("teardown: %s", e)
+    shutdown.close_group()
     _STATE.update(info=None, device=None)
-
-
-#: Seconds teardown releases the GIL after destroying the group (see below).
-WORKER_GRACE = 0.05
-
-
-def _let_workers_finish() -> None:
-    """Give gloo's worker threads the GIL before the interpreter finalizes.
-
-    A gloo worker frees each Work after running it; when the Work holds the last
-    reference to tensors Python created, freeing them takes the GIL. If the group
-    outlives ``destroy_process_group`` (DDP's C++ reducer keeps it alive: its worker
-    threads are still there at exit) and that free comes after finalization began,
-    Python ends the worker with ``pthread_exit`` inside a C++ destructor:
-    "terminate called without an active exception", SIGABRT or SIGSEGV after a clean
-    run (seen in 5 of 90 runs of a DDP comparison). Sleeping releases the GIL so that
-    pending frees run now; a group that was really destroyed joined its workers
-    already and this costs the sleep only.
-    """
-    time.sleep(WORKER_GRACE)
-
-
-def _abort_group(dist: Any) -> None:
-    """Abort every process group without flushing their work (torch >= 2.2's private
-    ``_abort_process_group``; destroy where it is missing)."""
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    logger.debug("teardown: failing, aborting the process group")
-    if abort is None:  # pragma: no cover - older torch
-        dist.destroy_process_group()
-    else:
-        abort()
 
 
 def info() -> DistInfo:
