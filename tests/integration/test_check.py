@@ -1,5 +1,6 @@
 """``hpc check`` on real processes: ``hpc run``, Open MPI's ``mpirun``, and ``srun`` on the
-4-node test cluster, healthy and with node3's link throttled by ``tc`` (tbf, 50 Mbit/s).
+4-node test cluster, healthy, with node3's link throttled by ``tc`` (tbf, 50 Mbit/s), and
+with only the link node3 -> node4 throttled (htb with a u32 filter on node4's address).
 
 The throttled run is the issue's test: non-zero exit, the verdict naming node3 and no
 other node. On this machine the veth links carry ~0.3-0.6 GB/s and the throttled pairs
@@ -101,10 +102,11 @@ def test_four_nodes_healthy(job: str, tmp_path: Path) -> None:
         == list(NODES)
 
 
-def _tc(action: str, *qdisc: str) -> subprocess.CompletedProcess[str]:
-    """``tc qdisc ACTION dev eth0 root QDISC...`` inside node3's network namespace."""
-    return subprocess.run(["ip", "netns", "exec", "hpc-node3", "tc", "qdisc", action, "dev",
-                           "eth0", "root", *qdisc], check=False, capture_output=True,
+def _tc(action: str, *qdisc: str, what: str = "qdisc") -> subprocess.CompletedProcess[str]:
+    """``tc WHAT ACTION dev eth0 [root] ...`` inside node3's network namespace."""
+    where = ["root"] if what == "qdisc" else []
+    return subprocess.run(["ip", "netns", "exec", "hpc-node3", "tc", what, action, "dev",
+                           "eth0", *where, *qdisc], check=False, capture_output=True,
                           text=True, timeout=20)
 
 
@@ -124,3 +126,37 @@ def test_four_nodes_throttled_node3_is_named_alone(job: str, tmp_path: Path) -> 
     line = verdict(proc.stdout)
     assert line.startswith("FLAGGED node3: slow node node3: busbw of all its 3 pairs"), line
     assert not any(n in line for n in NODES if n != "node3"), line
+
+
+def _node_address(node: str) -> str:
+    out = subprocess.run(["ip", "netns", "exec", f"hpc-{node}", "ip", "-4", "-o", "addr",
+                          "show", "dev", "eth0"], check=True, capture_output=True, text=True,
+                         timeout=20).stdout
+    return out.split(" inet ", 1)[1].split("/", 1)[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_four_nodes_one_slow_link_is_told_from_a_slow_node(job: str, tmp_path: Path) -> None:
+    """Only node3 -> node4 at 50 Mbit/s (htb: a fast default class, a slow one that a u32
+    filter picks for node4's address): the pair node3-node4 is slow, node3's other two
+    pairs and node4's other two are not, so the verdict is one slow link, no slow node."""
+    require("tc", "iproute2's tc")
+    _tc("del")
+    steps = [("qdisc", ["add", "handle", "1:", "htb", "default", "10"]),
+             ("class", ["add", "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"]),
+             ("class", ["add", "parent", "1:", "classid", "1:20", "htb", "rate", "50mbit"]),
+             ("filter", ["add", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                         "ip", "dst", f"{_node_address('node4')}/32", "flowid", "1:20"])]
+    try:
+        for what, args in steps:
+            added = _tc(args[0], *args[1:], what=what)
+            assert added.returncode == 0, (what, args, added.stderr)
+        proc = _srun_check(job, tmp_path)
+    finally:
+        removed = _tc("del")
+    assert removed.returncode == 0, removed.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = verdict(proc.stdout)
+    assert line.startswith("FLAGGED node3, node4: slow link node3-node4: busbw"), line
+    assert "slow node" not in line and "node1" not in line and "node2" not in line, line
