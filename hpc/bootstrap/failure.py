@@ -75,24 +75,28 @@ def watch() -> None:
     sys.excepthook = hook
 
 
-def _write(path: Path, message: str, when: float | None = None) -> None:
+def _write(path: Path, message: str, when: float | None = None,
+           origin: tuple[str, int] | None = None) -> None:
     if path.exists():
         return
+    host, pid = origin or (socket.gethostname(), os.getpid())
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"time": time.time() if when is None else when,
-                               "message": message[-4000:], "host": socket.gethostname(),
-                               "pid": os.getpid()}))
+                               "message": message[-4000:], "host": host, "pid": pid}))
     os.replace(tmp, path)
 
 
-def write_mark(directory: str, rank: int, message: str, when: float | None = None) -> None:
+def write_mark(directory: str, rank: int, message: str, when: float | None = None,
+               origin: tuple[str, int] | None = None) -> None:
     """Mark ``rank`` as failing since ``when`` (default now), unless it has a mark.
 
     The watchdog's reporter marks a stuck rank with the moment it stopped making
-    progress, which precedes the timeouts of the ranks that waited for it.
+    progress, which precedes the timeouts of the ranks that waited for it; ``origin``
+    is that rank's ``(host, pid)`` (default: this process's, for a rank marking itself),
+    so the mark names where the culprit ran, not where the reporter runs.
     """
     try:
-        _write(Path(directory) / f"{rank}.json", message, when)
+        _write(Path(directory) / f"{rank}.json", message, when, origin)
     except OSError:
         pass
 

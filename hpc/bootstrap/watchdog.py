@@ -331,8 +331,9 @@ class Watchdog:
         if not self.error_dir:
             return
         for r in stuck:
+            origin = (str(entries[r].get("host") or ""), int(entries[r].get("pid") or 0))
             failure.write_mark(self.error_dir, r, text.splitlines()[0],
-                               float(entries[r].get("since") or time.time()))
+                               float(entries[r].get("since") or time.time()), origin)
 
     def _end_silent(self, silent: list[int], entries: Mapping[int, Mapping[str, Any]]) -> None:
         """Kill culprits that cannot end themselves: on this host, or the Slurm step."""

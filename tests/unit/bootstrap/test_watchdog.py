@@ -190,6 +190,18 @@ def test_write_mark_keeps_an_earlier_mark(tmp_path: Any) -> None:
     assert failure.read_mark(str(tmp_path), 1) == (50.0, "stuck since step 3")
 
 
+def test_reporter_marks_the_culprit_with_its_own_host_and_pid(tmp_path: Any) -> None:
+    """The reporter (rank 0 on node1) marks stuck rank 3 (node2, pid 4242): the mark, and
+    so "first failure: rank 3 on ...", names node2, not the reporter's host (a CI run of
+    test_sigkilled_rank_fails_the_job_fast_naming_it read "rank 3 on node1")."""
+    entries = {3: {"host": "node2", "pid": 4242, "since": 50.0}}
+    dog = types.SimpleNamespace(error_dir=str(tmp_path))
+    watchdog.Watchdog._mark(dog, [3], entries, "all_reduce #48 failed\nstacks")
+    assert failure.read_mark(str(tmp_path), 3) == (50.0, "all_reduce #48 failed")
+    first = failure.first_failure(str(tmp_path), {})
+    assert first is not None and (first.rank, first.host, first.pid) == (3, "node2", 4242)
+
+
 def test_watchdog_is_off_for_one_process_and_on_request() -> None:
     one = DistInfo(launcher="local")
     assert watchdog.start(one, lambda t: None, 10.0, {}) is None
