@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import runpy
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,8 +38,14 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
 from hpc.pretrain.config import PretrainConfig
-from hpc.submit.preempt import (EXIT_REQUEUED, PreemptGuard, read_budget, requeue_after_stop,
-                         stopped_by_request)
+from hpc.submit.preempt import (
+    EXIT_REQUEUED,
+    PreemptGuard,
+    close_before_failing_exit,
+    read_budget,
+    requeue_after_stop,
+    stopped_by_request,
+)
 
 __all__ = ["PretrainJob", "ModuleJob", "FunctionJob", "resolve_function"]
 
@@ -125,17 +130,8 @@ class PretrainJob(_Requeueable):
             sys.exit(EXIT_REQUEUED)  # SystemExit: submitit writes no result; the job reruns
         if outcome.kind == "not-slurm":
             return result
-        # Every rank agreed on this end (budget used up, requeue failed): close the group
-        # now. Raised with the group open, the failure teardown aborts it, gloo then
-        # SIGABRTs the rank, srun kills its peers and the job ended FAILED 15:0, not 1.
-        from hpc.bootstrap.distributed import teardown
-
-        teardown()
-        # Once the first rank exits 1, srun (--kill-on-bad-exit) TERMs the others; Python
-        # restores SIG_DFL for its own handlers at shutdown, so a peer still exiting died
-        # 'Terminated' and the job ended 15:0. Ignored, the TERM cannot; srun's SIGKILL
-        # still follows for a rank that does not end.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Every rank agreed on this end (budget used up, requeue failed).
+        close_before_failing_exit()
         raise SubmitError(outcome.message)
 
     def _write_resubmission(self) -> None:

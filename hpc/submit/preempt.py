@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -81,8 +82,8 @@ from hpc.submit.guard import (
 __all__ = [
     "PreemptGuard", "Budget", "Outcome", "load_step_hook", "parse_signal", "parse_signals",
     "preempt_signals", "read_budget", "requeue_target", "requeue_after_stop",
-    "stopped_by_request", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES", "EXIT_REQUEUED",
-    "VALID_SIGNALS",
+    "stopped_by_request", "close_before_failing_exit", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES",
+    "EXIT_REQUEUED", "VALID_SIGNALS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -234,6 +235,21 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
     return Outcome("requeued", EXIT_REQUEUED, (
         f"requeued job {job}{by} after step {step} ({signame}; {where}); restart "
         f"{budget.restarts + 1} of at most {budget.max_requeues} resumes from it"))
+
+
+def close_before_failing_exit() -> None:
+    """Before every rank's agreed non-zero exit: close the group and ignore SIGTERM.
+
+    Left open, the failure teardown aborts the group, gloo SIGABRTs the rank, srun kills
+    its peers and the job ends FAILED 15:0, not 1. Once the first rank exits, srun
+    (--kill-on-bad-exit) TERMs the others; Python restores SIG_DFL for its own handlers
+    at shutdown, so a peer still exiting would die 'Terminated' (15:0). Ignored, the
+    TERM cannot; srun's SIGKILL still follows for a rank that does not end.
+    """
+    from hpc.bootstrap.distributed import teardown
+
+    teardown()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,

@@ -24,11 +24,10 @@ requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (s
 
 from __future__ import annotations
 
-import signal
 import sys
 from typing import Any, NoReturn, Optional
 
-from hpc.submit.preempt import PreemptGuard, requeue_after_stop
+from hpc.submit.preempt import PreemptGuard, close_before_failing_exit, requeue_after_stop
 
 __all__ = ["AgreedStop"]
 
@@ -123,17 +122,12 @@ class AgreedStop:
     def requeue_and_exit(self, step: int, checkpoint: Optional[str] = None) -> NoReturn:
         """:meth:`exit_code`, then ``sys.exit`` with it (collective).
 
-        Before a non-zero exit the process group is closed and SIGTERM ignored: under
-        ``srun --kill-on-bad-exit`` the first rank to exit makes srun TERM the others,
-        and a peer still shutting down (Python restores the default handlers then) would
-        die "Terminated" and turn the agreed exit into a failed job (as in
-        :mod:`hpc.submit.payload`); srun's SIGKILL still follows for a rank that hangs.
+        Before a non-zero exit, :func:`~hpc.submit.preempt.close_before_failing_exit`
+        (the group closed, SIGTERM ignored: srun's TERM to a peer still shutting down
+        would turn the agreed exit into a failed job).
         """
         code = self.exit_code(step, checkpoint)
         sys.stdout.flush()
         if code:
-            from hpc.bootstrap.distributed import teardown
-
-            teardown()
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            close_before_failing_exit()
         sys.exit(code)
