@@ -296,7 +296,7 @@ class GradSync:
             src = b.owner
             if b.kind == "broadcast" and self.group is not None:
                 src = dist.get_global_rank(self.group, b.owner)
-            b.work = start_bucket(b.kind, b.flat, src, self.group)
+            b.work = start_bucket(b.kind, b.flat, src, self.group, st.launched)
             st.launched += 1
 
     def _on_grad(self, i: int) -> None:

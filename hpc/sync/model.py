@@ -246,8 +246,8 @@ def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
     pool = _Pool()
     pending: deque[_InFlight] = deque()
     direct: list[_InFlight] = []
-    for b in plan:
-        started = _start(b, pool, rank == src, global_src, group)
+    for seq, b in enumerate(plan):
+        started = _start(b, pool, rank == src, global_src, group, seq)
         if b.direct:  # no buffer held: no need to wait before issuing more
             direct.append(started)
             continue
@@ -259,7 +259,7 @@ def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
 
 
 def _start(b: _Bucket, pool: _Pool, is_src: bool, global_src: int,
-           group: Optional[Any]) -> _InFlight:
+           group: Optional[Any], seq: int) -> _InFlight:
     """Pack ``b`` where this rank contributes, then issue its collective."""
     if b.direct:
         flat = b.tensors[0]
@@ -267,7 +267,7 @@ def _start(b: _Bucket, pool: _Pool, is_src: bool, global_src: int,
         flat = pool.take(b.device, b.wire, b.numel)
         if b.kind == "mean" or is_src:
             _pack(b, flat)
-    return b, flat, start_bucket(b.kind, flat, global_src, group)
+    return b, flat, start_bucket(b.kind, flat, global_src, group, seq)
 
 
 def _land(started: _InFlight, pool: _Pool, rank: int, src: int, ws: int) -> None:
