@@ -24,11 +24,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["COLLECTIVES", "Progress", "install", "uninstall"]
+__all__ = ["COLLECTIVES", "Progress", "install", "uninstall", "begin", "end"]
 
 #: The ``torch.distributed`` functions counted as collectives.
 COLLECTIVES = (
     "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list",
     "gather_object", "scatter_object_list", "monitored_barrier",
@@ -69,6 +70,8 @@ class Progress:
 
 _LOCK = threading.Lock()
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
+#: (progress, on_failure) while installed: for :func:`begin` / :func:`end`.
+_ACTIVE: list[tuple[Progress, OnFailure]] = []
 
 
 def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str,
@@ -155,6 +158,7 @@ def install(progress: Progress, on_failure: OnFailure,
             continue
         _ORIGINALS[name] = fn
         setattr(module, name, _wrap(name, fn, progress, on_failure, members))
+    _ACTIVE[:] = [(progress, on_failure)]
 
 
 def uninstall(module: Any | None = None) -> None:
@@ -164,3 +168,31 @@ def uninstall(module: Any | None = None) -> None:
     for name, fn in _ORIGINALS.items():
         setattr(module, name, fn)
     _ORIGINALS.clear()
+    _ACTIVE.clear()
+
+
+def begin(name: str) -> Optional[int]:
+    """Count a world collective made of other calls (``hpc.sync`` sends a two-rank
+    broadcast as ``isend``/``irecv``, which are not wrapped); its sequence number, or
+    None when not installed. Every rank must count it, in the same order as its
+    wrapped collectives; finish it with :func:`end`."""
+    if not _ACTIVE:
+        return None
+    progress = _ACTIVE[0][0]
+    with _LOCK:
+        progress.entered += 1
+        progress.op, progress.since = name, time.time()
+        return progress.entered
+
+
+def end(seq: Optional[int], name: str, error: Optional[BaseException] = None
+        ) -> Optional[BaseException]:
+    """Complete :func:`begin`'s ``seq``, or report its ``error`` (returns what to raise
+    instead, as the wrapped collectives do)."""
+    if seq is None or not _ACTIVE:
+        return None
+    progress, on_failure = _ACTIVE[0]
+    if error is not None:
+        return on_failure(seq, name, error, True)
+    _complete(progress, seq)
+    return None

@@ -27,7 +27,8 @@ from hpc.errors import ModelMismatchError
 
 __all__ = ["active_world", "check_same_tensors", "start_check", "finish_check",
            "comm_device", "Signature", "describe", "agreement_vector", "all_agree",
-           "same_on_all_ranks", "BucketKind", "BUCKET_KINDS", "start_bucket", "P2P_TAG_BASE", "MODEL_BUCKET_BYTES",
+           "same_on_all_ranks", "BucketKind", "BUCKET_KINDS", "start_bucket", "start_max",
+           "P2P_TAG_BASE", "MODEL_BUCKET_BYTES",
            "GRAD_BUCKET_BYTES", "GRAD_OVERLAP_BUCKET_BYTES"]
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,41 @@ def start_bucket(kind: BucketKind, flat: torch.Tensor, src: int,
         return dist.broadcast(flat, src, group=group, async_op=True)
     tag = P2P_TAG_BASE + seq
     if peer == src:
-        return dist.irecv(flat, src, group=group, tag=tag)
-    return dist.isend(flat, peer, group=group, tag=tag)
+        return _Pairwise("broadcast", group, [dist.irecv(flat, src, group=group, tag=tag)])
+    return _Pairwise("broadcast", group, [dist.isend(flat, peer, group=group, tag=tag)])
+
+
+class _Pairwise:
+    """Point-to-point Works that stand in for one collective of a two-rank group.
+
+    ``wait()`` waits for all of them. On the default group the watchdog's tracker
+    counts them as one collective (``name``), as it counts the wrapped ones, so a rank
+    stuck here is reported like a rank stuck in ``dist.broadcast``.
+    """
+
+    def __init__(self, name: str, group: Optional[Any], works: list[Any]) -> None:
+        from hpc.bootstrap import tracker
+
+        world = group is None or group is dist.group.WORLD
+        self._name, self._works = name, works
+        self._seq = tracker.begin(name) if world else None
+
+    def wait(self) -> bool:
+        from hpc.bootstrap import tracker
+
+        try:
+            for work in self._works:
+                work.wait()
+        except Exception as e:
+            instead = tracker.end(self._seq, self._name, e)
+            if instead is not None:
+                raise instead from e
+            raise
+        tracker.end(self._seq, self._name)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
 
 
 class _MaxReduce:
@@ -128,7 +162,7 @@ class _MaxReduce:
     on both), which skips gloo's worker hand-off as :func:`start_bucket` does.
     """
 
-    def __init__(self, mine: torch.Tensor, group: Optional[Any]) -> None:
+    def __init__(self, mine: torch.Tensor, group: Optional[Any], name: str) -> None:
         self._mine = mine
         peer = _p2p_peer(mine, group)
         if peer is None:
@@ -137,8 +171,10 @@ class _MaxReduce:
                                            async_op=True)]
             return
         self._theirs = torch.empty_like(mine)
-        self._works = [dist.isend(mine, peer, group=group, tag=P2P_TAG_BASE - 1),
-                       dist.irecv(self._theirs, peer, group=group, tag=P2P_TAG_BASE - 1)]
+        tag = P2P_TAG_BASE - 1
+        self._works = [_Pairwise(name, group, [
+            dist.isend(mine, peer, group=group, tag=tag),
+            dist.irecv(self._theirs, peer, group=group, tag=tag)])]
 
     def wait(self) -> torch.Tensor:
         for work in self._works:
@@ -146,6 +182,16 @@ class _MaxReduce:
         if self._theirs is None:
             return self._mine
         return torch.maximum(self._mine, self._theirs)
+
+
+def start_max(mine: torch.Tensor, group: Optional[Any] = None,
+              name: str = "all_reduce") -> _MaxReduce:
+    """Start an element-wise ``MAX`` of ``mine`` over ``group``; ``.wait()`` returns it.
+
+    Also a barrier: it completes on a rank only once every rank has contributed.
+    ``name``: what the watchdog calls it where it is not a wrapped ``all_reduce``.
+    """
+    return _MaxReduce(mine, group, name)
 
 
 def _p2p_peer(flat: torch.Tensor, group: Optional[Any]) -> Optional[int]:
@@ -194,7 +240,7 @@ def same_on_all_ranks(data: bytes, group: Optional[Any] = None) -> bool:
     digest = int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & ((1 << 62) - 1)
     mine = torch.tensor(agreement_vector(digest, len(data)), dtype=torch.int64,
                         device=comm_device(group))
-    return all_agree(_MaxReduce(mine, group).wait().tolist())
+    return all_agree(start_max(mine, group).wait().tolist())
 
 
 def describe(entry: Optional[tuple[str, tuple[int, ...], str]]) -> str:
@@ -250,7 +296,7 @@ def start_check(named: Sequence[tuple[str, torch.Tensor]], group: Optional[Any] 
     sig = signature(named)
     mine = torch.tensor(agreement_vector(_digest(sig), len(sig)), dtype=torch.int64,
                         device=comm_device(group))
-    return sig, mine, _MaxReduce(mine, group)
+    return sig, mine, start_max(mine, group)
 
 
 def finish_check(handle: Optional[tuple[Signature, torch.Tensor, Any]], what: str,
