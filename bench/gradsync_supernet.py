@@ -18,7 +18,10 @@ under the same machine load:
 * ``users``     ``GradSync.sync(users=...)``: every rank computes every rank's path, so
   the agreement round is skipped;
 * ``overlap``   ``GradSync.backward(loss, users=...)``: overlapped with backward;
-* ``bf16``      ``GradSync(comm_dtype=torch.bfloat16).sync(users=...)`` (not bitwise).
+* ``bf16``      ``GradSync(comm_dtype=torch.bfloat16).sync(users=...)`` (not bitwise);
+* ``<mode>-tcp`` (``gradsync-tcp``, ``users-tcp``, ...) the same with ``shm=False``:
+  through the process group even where all ranks share this host (the GradSync modes
+  above use the shared-memory exchange there, the default).
 
 Every mode runs on each process group of ``--groups``, also interleaved: ``hpc``, the
 world group ``hpc.init_torch`` created (under ``hpc run``: two gloo connections,
@@ -122,9 +125,11 @@ class Runner:
                 self.model, find_unused_parameters=True, process_group=group)
             if mode == "ddp-bf16":
                 self.net.register_comm_hook(group, bf16_hook)
-        elif mode in ("gradsync", "users", "overlap", "bf16"):
+        elif mode.removesuffix("-tcp") in ("gradsync", "users", "overlap", "bf16"):
+            shm = False if mode.endswith("-tcp") else None
+            mode = mode.removesuffix("-tcp")
             dtype = torch.bfloat16 if mode == "bf16" else None
-            gs = self.gs = hpc.GradSync(self.model, group=group, comm_dtype=dtype)
+            gs = self.gs = hpc.GradSync(self.model, group=group, comm_dtype=dtype, shm=shm)
             if mode == "gradsync":
                 self.sync = lambda k: gs.sync()
             elif mode == "overlap":
@@ -198,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", default="nosync,barrier,ddp,pertensor,gradsync,users,"
-                                       "overlap,ddp-bf16,bf16")
+                                       "overlap,users-tcp,ddp-bf16,bf16")
     ap.add_argument("--groups", default="hpc,plain")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank")
     ap.add_argument("--profile", action="store_true",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc.sync._collective import BUCKET_KINDS
 from hpc.sync._plan import Arena, Bucket, dense_layout
 
 __all__ = ["Layout", "bucket_key"]
@@ -50,6 +51,22 @@ class Layout:
         #: synced gradient keeps that layout, as DDP's bucket views do.
         self.strides = [None if p.is_contiguous() or not dense_layout(p) else p.stride()
                         for p in self.params]
+
+    def stats(self, plan: Sequence[Bucket], sent: int, shm: bool) -> dict[str, int]:
+        """:attr:`hpc.GradSync.stats` of a step: parameters synced and skipped, bytes
+        per bucket kind, collectives (one barrier through shared memory)."""
+        out = {"params_synced": sent, "params_skipped": len(self.params) - sent,
+               "collectives": 1 if shm and plan else len(plan), "shared_memory": int(shm)}
+        for k in BUCKET_KINDS:  # "broadcast_bytes", "mean_bytes"
+            out[f"{k}_bytes"] = sum(b.numel * self.itemsizes[b.idx[0]]
+                                    for b in plan if b.kind == k)
+        return out
+
+    def max_bytes(self) -> int:
+        """Bytes of every parameter on the wire, each bucket's slot aligned: what one
+        step's shared-memory half must hold (a parameter is in one bucket at most)."""
+        return sum(n * size for n, size in zip(self.numels, self.itemsizes)) \
+            + 64 * len(self.numels)
 
     def view(self, flat: torch.Tensor, off: int, i: int) -> torch.Tensor:
         """Parameter ``i``'s slot in ``flat``, shaped (and strided) like the parameter."""

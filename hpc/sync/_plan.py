@@ -18,9 +18,11 @@ from typing import Any, Optional
 
 import torch
 
+from hpc.errors import HPCError
 from hpc.sync._collective import BucketKind
 
-__all__ = ["Bucket", "make_plan", "Arena", "trainable", "reachable_leaves", "dense_layout"]
+__all__ = ["Bucket", "make_plan", "Arena", "trainable", "local_mask", "reachable_leaves",
+           "dense_layout"]
 
 #: (device, dtype) of a parameter: tensors of one key share a flat buffer.
 Key = tuple[torch.device, torch.dtype]
@@ -38,7 +40,8 @@ class Bucket:
     numel: int = 0
     exact: bool = False           # DDP's layout, may hold parameters nobody used
     pending: int = 0              # local gradients still to pack before launch
-    flat: Optional[torch.Tensor] = None
+    flat: Optional[torch.Tensor] = None  # packed into; after the step, the result
+    slot: int = -1                # byte offset in a shared-memory lane's half, if any
     work: Any = None
 
     def add(self, i: int, numel: int) -> None:
@@ -176,6 +179,22 @@ def trainable(module_or_params: Any) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(p))
             out.append((f"param[{i}]", p))
     return out
+
+
+def local_mask(named: Sequence[tuple[str, torch.Tensor]], loss: Any) -> torch.Tensor:
+    """uint8 per parameter: 1 where this rank has (or ``loss.backward()`` will give) a
+    gradient; HPCError for a sparse gradient (not supported)."""
+    reach = reachable_leaves(loss) if loss is not None else set()
+    flags = []
+    for name, p in named:
+        g = p.grad
+        if g is not None and g.is_sparse:
+            raise HPCError(
+                f"sync_gradients: parameter {name!r} has a sparse gradient.\nSparse "
+                "gradients (nn.Embedding(sparse=True)) are not supported by the "
+                "bucketed sync.\nHINT: use sparse=False.")
+        flags.append(g is not None or id(p) in reach)
+    return torch.tensor(flags, dtype=torch.uint8)
 
 
 def reachable_leaves(loss: Any) -> set[int]:

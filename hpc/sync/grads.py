@@ -8,17 +8,16 @@ keeps ``grad=None`` and is not sent. Results are bitwise equal on every rank.
 
 One step (details and measurements in ``docs/sync.md``):
 
-1. *Agreement*: one ``all_gather`` of a uint8 vector (1 = this rank has a gradient),
-   skipped when the caller passes ``users``.
-2. A parameter used by exactly one rank is *broadcast by its owner* (half an
-   all_reduce's bytes at world size 2); one used by several goes into a bucketed
-   ``all_reduce``; one used by nobody is skipped. Buckets leave ``async_op=True`` as
-   soon as they are packed; synced gradients are views into reused flat buffers.
-3. The arithmetic is DDP's (``mul`` by ``1/world_size``, ``+0.0`` turning ``-0.0``
-   into ``+0.0``), and a sum of two terms does not depend on the order: at world size
-   2 the result equals ``DDP(find_unused_parameters=True)`` bit for bit. With three or
-   more users the ring order depends on the bucket layout; ``match_ddp=True`` sends
-   such buckets in DDP's layout to get DDP's bits at any world size.
+1. *Agreement*: one ``all_gather`` of who has which gradient, skipped when the caller
+   passes ``users``.
+2. A parameter used by one rank is *broadcast by its owner*; one used by several goes
+   into a bucketed ``all_reduce``; one used by nobody is skipped. Where every rank is on
+   this host and the parameters on the CPU, the buckets go through shared memory
+   (:mod:`hpc.sync._shm`) instead of the process group.
+3. DDP's arithmetic (``mul`` by ``1/world_size``, ``+0.0`` turning ``-0.0`` into
+   ``+0.0``); a sum of two terms does not depend on the order, so at world size 2 the
+   result equals ``DDP(find_unused_parameters=True)`` bit for bit; ``match_ddp=True``
+   gets DDP's bits at any world size (DDP's bucket layout on the process group).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import torch.distributed as dist
 
 from hpc.errors import HPCError
 from hpc.sync._collective import (
-    BUCKET_KINDS,
     GRAD_BUCKET_BYTES,
     GRAD_OVERLAP_BUCKET_BYTES,
     active_world,
@@ -43,15 +41,19 @@ from hpc.sync._collective import (
     start_bucket,
 )
 from hpc.sync._pack import Layout
-from hpc.sync._plan import Arena, Bucket, make_plan, reachable_leaves, trainable
+from hpc.sync._plan import Arena, Bucket, local_mask, make_plan, trainable
+from hpc.sync._shm import ShmLane, lane_wanted, open_lane
 from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 
 __all__ = ["sync_gradients", "GradSync"]
 
 logger = logging.getLogger(__name__)
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single;
+    looked up per call, so the watchdog's tracker (installed later) sees it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
 
 ModuleOrParams = Union[torch.nn.Module, Iterable[torch.Tensor]]
 
@@ -93,6 +95,10 @@ class GradSync:
         comm_dtype: Send float32 gradients in this dtype (``torch.bfloat16`` or
             ``torch.float16``) and convert the mean back: half the bytes, not bitwise
             equal to DDP (compare DDP's ``bf16_compress_hook``). Default: off.
+        shm: Exchange through shared memory when every rank of the group is on this
+            host and the parameters are on the CPU (see :mod:`hpc.sync._shm`). None
+            (default): when possible, unless ``HPC_SYNC_SHM=0``; True: required (an
+            error if not possible); False: never.
         group: Process group (default: the world).
 
     Raises:
@@ -105,7 +111,7 @@ class GradSync:
                  bucket_bytes: int = GRAD_BUCKET_BYTES,
                  overlap_bucket_bytes: int = GRAD_OVERLAP_BUCKET_BYTES,
                  match_ddp: bool = False, comm_dtype: Optional[torch.dtype] = None,
-                 group: Optional[Any] = None) -> None:
+                 shm: Optional[bool] = None, group: Optional[Any] = None) -> None:
         if comm_dtype not in (None, torch.bfloat16, torch.float16):
             raise HPCError(
                 f"GradSync: comm_dtype={comm_dtype} is not supported.\nOnly the 16-bit "
@@ -117,6 +123,7 @@ class GradSync:
         self.overlap_bucket_bytes = overlap_bucket_bytes
         self.match_ddp = match_ddp
         self.comm_dtype = comm_dtype
+        self.shm = shm
         self.group = group
         #: Figures of the last sync: parameters sent/skipped, bytes, collectives.
         self.stats: dict[str, int] = {}
@@ -129,6 +136,7 @@ class GradSync:
         self._hooks: list[Any] = []
         self._ddp_buckets: Optional[list[list[int]]] = None
         self._users_checked = False
+        self._lane: Optional[ShmLane] = None  # the shared-memory exchange, if opened
 
     # ------------------------------------------------------------------ public
     def sync(self, users: Optional[Users] = None) -> None:
@@ -152,7 +160,7 @@ class GradSync:
             return
         with torch.no_grad():
             if st is None:
-                mine = self._local_mask(None)
+                mine = local_mask(self.named, None)
                 st = (self._begin(mine, asynchronous=False) if users is None
                       else self._given(mine, users, ws))
             self._finish(st, ws)
@@ -174,7 +182,7 @@ class GradSync:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, i=i: _on_grad(ref, i)))
-        mine = self._local_mask(loss)
+        mine = local_mask(self.named, loss)
         if users is None:
             self._step = self._begin(mine, asynchronous=True)
             self._step.overlap = True
@@ -195,23 +203,11 @@ class GradSync:
         self._hooks = []
 
     # ------------------------------------------------------------------ steps
-    def _local_mask(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
-        """uint8 per parameter: 1 where this rank has (or backward will give) a grad."""
-        reach = reachable_leaves(loss) if loss is not None else set()
-        flags = []
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is not None and g.is_sparse:
-                raise HPCError(
-                    f"sync_gradients: parameter {self.named[i][0]!r} has a sparse "
-                    "gradient.\nSparse gradients (nn.Embedding(sparse=True)) are not "
-                    "supported by the bucketed sync.\nHINT: use sparse=False.")
-            flags.append(g is not None or id(p) in reach)
-        return torch.tensor(flags, dtype=torch.uint8)
-
     def _check_once(self) -> None:
         if not self._checked:
             check_same_tensors(self.named, "sync_gradients", self.group)
+            self._lane = open_lane(self._layout.max_bytes(), self.group, lane_wanted(
+                self.shm, self.params, self.match_ddp, self.group), bool(self.shm))
             self._checked = True
 
     def _given(self, mine: torch.Tensor, users: Users, ws: int,
@@ -255,11 +251,16 @@ class GradSync:
                             self.overlap_bucket_bytes if st.overlap else self.bucket_bytes,
                             rank, layout)
         mine = st.mine.tolist()
+        if self._lane is not None:
+            self._lane.place(st.plan, rank)
         for b in st.plan:
             device, dtype = b.key[0], b.key[1]
-            # capacity = the bucket planned, not the mode's limit (25 MiB: ~6x on CUDA)
-            b.flat = self._arena.take(comm_device(self.group, device), dtype, b.numel,
-                                      b.numel)
+            if self._lane is None:
+                # capacity = the bucket planned, not the mode's limit (25 MiB: ~6x CUDA)
+                b.flat = self._arena.take(comm_device(self.group, device), dtype,
+                                          b.numel, b.numel)
+            elif b.flat is None:
+                continue  # another rank's broadcast: read after the step's barrier
             for i, off in zip(b.idx, b.offsets):
                 st.where[i] = (b, off)
                 if b.kind == "mean" and not mine[i]:
@@ -293,11 +294,13 @@ class GradSync:
         plan = st.plan or []
         while st.launched < len(plan) and plan[st.launched].pending == 0:
             b = plan[st.launched]
+            st.launched += 1
+            if self._lane is not None:
+                continue  # shared memory: all buckets are read after one barrier
             src = b.owner
             if b.kind == "broadcast" and self.group is not None:
                 src = dist.get_global_rank(self.group, b.owner)
-            b.work = start_bucket(b.kind, b.flat, src, self.group, st.launched)
-            st.launched += 1
+            b.work = start_bucket(b.kind, b.flat, src, self.group, st.launched - 1)
 
     def _on_grad(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (during :meth:`backward`)."""
@@ -337,10 +340,13 @@ class GradSync:
                     self._pack_many(st, [i for i in b.idx
                                          if mine[i] and i not in st.packed], scale)
                 self._launch_ready(st)
+            if self._lane is not None:
+                self._lane.exchange(plan, self._arena, self.group)
             sent = 0
             for b in plan:
-                b.work.wait()
-                b.work = None  # no Work outlives the step (or the group, at exit)
+                if b.work is not None:
+                    b.work.wait()
+                    b.work = None  # no Work outlives the step (or the group, at exit)
                 flat = self._layout.widen(self._arena, b)
                 for i, off in zip(b.idx, b.offsets):
                     if b.exact and not st.counts[i]:
@@ -349,15 +355,9 @@ class GradSync:
                     view = self._layout.view(flat, off, i)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
-            self.stats = {"params_synced": sent, "params_skipped": len(self.params) - sent,
-                          "collectives": len(plan)}
-            for k in BUCKET_KINDS:  # "broadcast_bytes", "mean_bytes"
-                self.stats[f"{k}_bytes"] = sum(b.numel * self._itemsizes[b.idx[0]]
-                                               for b in plan if b.kind == k)
+            self.stats = self._layout.stats(plan, sent, shm=self._lane is not None)
         finally:
             self._arena.end_step()
-
-
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
     gs = ref()
@@ -372,7 +372,7 @@ _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict[str, Any], GradSy
 
 def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = None, *,
                    match_ddp: bool = False, comm_dtype: Optional[torch.dtype] = None,
-                   group: Optional[Any] = None) -> None:
+                   shm: Optional[bool] = None, group: Optional[Any] = None) -> None:
     """Average ``.grad`` across ranks after ``backward()``; see :class:`GradSync`.
 
     ``users`` (optional, this step's) as for :meth:`GradSync.sync`: who used which
@@ -389,7 +389,7 @@ def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = No
     # so an option added here can never reuse a GradSync built with other settings.
     # ``users`` is this step's data, not an option.
     options: dict[str, Any] = {"match_ddp": match_ddp, "comm_dtype": comm_dtype,
-                               "group": group}
+                               "shm": shm, "group": group}
     if isinstance(module_or_params, torch.nn.Module) and group is None:
         cached = _CACHE.get(module_or_params)
         if cached is None or cached[0] != options:

@@ -50,12 +50,17 @@ def test_noop_when_not_distributed() -> None:
     (2, ["--users"]),                         # caller-passed users: no agreement round
     (2, ["--users", "--api", "backward"]),
     (3, ["--match-ddp", "--users"]),
+    (2, ["--shm", "off"]),                    # through the group: isend/irecv, all_reduce
+    (2, ["--shm", "off", "--users", "--api", "backward"]),
 ], ids=["ws2", "ws2-backward", "ws3-match_ddp", "ws3-match_ddp-backward", "ws2-users",
-        "ws2-backward-users", "ws3-match_ddp-users"])
+        "ws2-backward-users", "ws3-match_ddp-users", "ws2-tcp", "ws2-backward-users-tcp"])
 def test_sync_gradients_bitwise_equal_to_ddp(nproc: int, args: list[str]) -> None:
     """Several steps, different unused params per rank, one param unused everywhere."""
     lines = _run_ok(nproc, "sync_grads_vs_ddp.py", "--expect", "bitwise", *args)
     assert all("bitwise_vs_ddp=True" in line for line in lines)
+    # one host: shared memory, except where DDP's ring order is asked for (ws 3+)
+    tcp = "--shm" in args or "--match-ddp" in args
+    assert all(f"shared_memory={0 if tcp else 1}" in line for line in lines)
     if "--match-ddp" not in args:  # DDP-layout buckets also carry unused parameters
         assert all("wire_bytes_per_element=4.0" in line for line in lines)
 

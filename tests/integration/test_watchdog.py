@@ -81,6 +81,21 @@ def test_hpc_run_frozen_rank_is_named_and_blamed(mode: str) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("shm,op", [("1", "barrier"), ("0", "broadcast")])
+def test_frozen_rank_in_two_rank_sync_gradients_is_named(shm: str, op: str) -> None:
+    """At world size 2 the sync's collectives are sends and receives (or one barrier of
+    the shared-memory exchange), not wrapped ``dist`` calls: the watchdog must still
+    see rank 0 waiting in one, and name rank 1."""
+    env = hang_env("sleep", HANG_OP="sync_gradients", HPC_SYNC_SHM=shm)
+    proc = hpc_run(2, [HANG], timeout=80, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert re.search(rf"rank 1 \(\S+, pid \d+\) never entered {op} #\d+", out), out
+    assert f"it is at hang.py:{HANG_LINE} in <module>" in out, out
+    assert "UNREACHABLE" not in out
+
+
+@pytest.mark.timeout(90)
 def test_hpc_run_killed_rank_is_blamed() -> None:
     proc = hpc_run(3, [HANG], timeout=80, env=hang_env("exit"))
     assert proc.returncode == 9, proc.stderr

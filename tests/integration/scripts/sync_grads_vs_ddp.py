@@ -104,7 +104,10 @@ def main() -> int:
     ap.add_argument("--users", action="store_true",
                     help="pass every rank's used parameters (no agreement round)")
     ap.add_argument("--comm-dtype", choices=("bfloat16",), default=None)
+    ap.add_argument("--shm", choices=("auto", "on", "off"), default="auto",
+                    help="GradSync(shm=None/True/False): the same-host shared-memory lane")
     args = ap.parse_args()
+    shm = {"auto": None, "on": True, "off": False}[args.shm]
     comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
     torch.set_num_threads(1)
     info = hpc.init_torch(backend="gloo", seed=0)
@@ -118,7 +121,7 @@ def main() -> int:
     opt_b = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     names = [n for n, _ in ours.named_parameters()]
     gs = hpc.GradSync(ours, match_ddp=args.match_ddp, overlap_bucket_bytes=2048,
-                      comm_dtype=comm_dtype)
+                      comm_dtype=comm_dtype, shm=shm)
     worst = 0.0
     differing = 0
     for step in range(args.steps):
@@ -134,7 +137,7 @@ def main() -> int:
             gs.sync(users)
         else:
             loss.backward()
-            hpc.sync_gradients(ours, match_ddp=args.match_ddp)
+            hpc.sync_gradients(ours, match_ddp=args.match_ddp, shm=shm)
             gs.stats = hpc.sync.grads._CACHE[ours][1].stats
         nn.functional.cross_entropy(ddp(x, path), y).backward()
         for name, a, b in zip(names, ours.parameters(), theirs.parameters()):
@@ -173,7 +176,8 @@ def main() -> int:
     wire = (gs.stats["broadcast_bytes"] + gs.stats["mean_bytes"]) / sent
     print(f"RESULT ok rank={rank} ws={ws} steps={args.steps} bitwise_vs_ddp={same} "
           f"differing_grad_elements={differing} max_abs={worst:.3g} "
-          f"wire_bytes_per_element={wire:.1f}", flush=True)
+          f"wire_bytes_per_element={wire:.1f} shared_memory={gs.stats['shared_memory']}",
+          flush=True)
     return 0
 
 

@@ -1,0 +1,83 @@
+"""sync_gradients' shared-memory exchange with real ranks, and when it cannot be used.
+
+By default ranks that share a host (``hpc run``) exchange CPU gradients through
+``/dev/shm`` (``shared_memory=1`` in the scripts' RESULT lines); ``HPC_SYNC_SHM=0`` or
+``shm=False`` keeps the process group. The cases where it cannot be used are made real
+with mount namespaces (root): a rank with a ``/dev/shm`` of its own, as in a
+per-rank container, and a ``/dev/shm`` too small for the gradients (a container's
+64 KiB default is the common one). Both must fall back to the process group with the
+same, bitwise-exact results, and ``shm=True`` must fail on every rank, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, clean_env, hpc_run, run_group, script
+
+SYNC = script("sync_grads_vs_ddp.py")
+
+
+def _lines(out: str, nproc: int = 2) -> list[str]:
+    lines = [line for line in out.splitlines() if "RESULT" in line]
+    assert len(lines) == nproc, out
+    return lines
+
+
+def _needs_mounts() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give ranks their own /dev/shm")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env,used", [({}, "1"), ({"HPC_SYNC_SHM": "0"}, "0")])
+def test_same_host_ranks_use_shared_memory_unless_turned_off(env: dict[str, str],
+                                                            used: str) -> None:
+    proc = hpc_run(2, [SYNC, "--expect", "bitwise", "--users", "--api", "backward"],
+                   timeout=100, env=clean_env(**env))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert all("bitwise_vs_ddp=True" in line and f"shared_memory={used}" in line
+               for line in _lines(out)), out
+
+
+@pytest.mark.timeout(120)
+def test_rank_with_its_own_dev_shm_falls_back_or_fails_clearly() -> None:
+    _needs_mounts()
+    wrap = script("own_dev_shm.sh")
+    proc = hpc_run(2, [wrap, sys.executable, SYNC, "--expect", "bitwise"], timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert all("bitwise_vs_ddp=True" in line and "shared_memory=0" in line
+               for line in _lines(out)), out
+    proc = hpc_run(2, [wrap, sys.executable, SYNC, "--shm", "on"], timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "RESULT ok" not in out, out
+    assert "shm=True, but the shared-memory exchange cannot be opened: rank 0's " \
+           "/dev/shm/hpc-grads-" in out and "is not visible here" in out, out
+    assert "HINT: pass shm=None" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["auto", "on"])
+def test_full_dev_shm_falls_back_or_fails_clearly(shm: str) -> None:
+    """posix_fallocate reserves the region, so a full tmpfs is an error now, not a
+    SIGBUS when a page is first touched."""
+    _needs_mounts()
+    argv = ["unshare", "-m", "sh", "-c",
+            'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"', "sh",
+            sys.executable, "-m", "hpc", "run", "--nproc", "2", "--",
+            sys.executable, SYNC, "--expect", "bitwise", "--shm", shm]
+    proc = run_group(argv, timeout=100, env=clean_env(), cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    if shm == "auto":
+        assert proc.returncode == 0, out
+        assert all("bitwise_vs_ddp=True" in line and "shared_memory=0" in line
+                   for line in _lines(out)), out
+        return
+    assert proc.returncode != 0 and "RESULT ok" not in out, out
+    assert "cannot reserve" in out and "No space left on device" in out, out

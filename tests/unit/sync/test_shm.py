@@ -1,0 +1,104 @@
+"""The shared-memory lane's pieces without a second process: slot layout, the combine
+arithmetic, creating and mapping real files in /dev/shm, and when the lane applies."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpc.errors import HPCError
+from hpc.sync import _shm
+
+
+def _lane(ws: int, half: int = 4096) -> _shm.ShmLane:
+    regions = [torch.zeros(_shm.ALIGN + 2 * half, dtype=torch.uint8) for _ in range(ws)]
+    return _shm.ShmLane(regions, 0, half)
+
+
+def test_slots_are_aligned_and_alternate_halves() -> None:
+    assert _shm.ShmLane.offsets([4, 100, 64, 1]) == [0, 64, 192, 256]
+    lane = _lane(2)
+    lane.begin_step()
+    a = lane.slot(0, 64, 4, torch.float32)
+    lane.begin_step()
+    b = lane.slot(0, 64, 4, torch.float32)
+    assert a.data_ptr() - b.data_ptr() in (4096, -4096)  # the other half
+    assert a.data_ptr() % 4 == 0 and a.dtype == torch.float32 and a.numel() == 4
+
+
+def test_mean_sums_in_rank_order_and_broadcast_copies_the_owner() -> None:
+    lane = _lane(3)
+    lane.begin_step()
+    values = [torch.tensor([1e8, 1.0, -0.0]), torch.tensor([-1e8, 1.0, -0.0]),
+              torch.tensor([1.0, 2.0, -0.0])]
+    for r, v in enumerate(values):
+        lane.slot(r, 0, 3, torch.float32).copy_(v)
+    out = torch.empty(3)
+    lane.combine("mean", -1, 0, out)
+    expected = (values[0] + values[1]) + values[2]
+    assert torch.equal(out, expected) and str(out[2].item()) == "-0.0"
+    lane.combine("broadcast", 2, 0, out)
+    assert torch.equal(out, values[2])
+
+
+@pytest.fixture
+def token() -> Iterator[int]:
+    tok = int(uuid.uuid4().int % (1 << 52))
+    yield tok
+    for p in Path(_shm.SHM_DIR).glob(f"hpc-grads-{tok:014x}-*"):
+        p.unlink()
+
+
+@pytest.mark.skipif(not os.path.isdir(_shm.SHM_DIR), reason="no /dev/shm on this system")
+def test_files_are_reserved_mapped_and_stamped(token: int) -> None:
+    paths = [os.path.join(_shm.SHM_DIR, f"hpc-grads-{token:014x}-{r}") for r in range(2)]
+    size = _shm.ALIGN + 2 * 4096
+    for r, path in enumerate(paths):
+        assert _shm._create(path, size) is None
+        assert os.path.getsize(path) == size
+        torch.from_file(path, shared=True, size=size, dtype=torch.uint8)[:24].view(
+            torch.int64).copy_(_shm._stamp(token, r))
+    assert "cannot create" in (_shm._create(paths[0], size) or "")  # O_EXCL
+    regions, why = _shm._map_all(paths, size, token)
+    assert why is None and len(regions) == 2
+    regions[1][100] = 7  # a write through one mapping is seen through another
+    assert torch.from_file(paths[1], shared=True, size=size, dtype=torch.uint8)[100] == 7
+    _, why = _shm._map_all(paths, size, token + 1)
+    assert "holds another stamp" in (why or "")
+    os.unlink(paths[1])
+    _, why = _shm._map_all(paths, size, token)
+    assert "rank 1's" in (why or "") and "not visible here" in (why or "")
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_when_the_lane_applies(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = [torch.nn.Parameter(torch.zeros(2))]
+    monkeypatch.delenv(_shm.ENV, raising=False)
+    assert _shm.lane_wanted(None, cpu, False, None) is True
+    assert _shm.lane_wanted(False, cpu, False, None) is False
+    monkeypatch.setenv(_shm.ENV, "0")
+    assert _shm.lane_wanted(None, cpu, False, None) is False
+    assert _shm.lane_wanted(True, cpu, False, None) is True  # the option wins
+    assert _shm.lane_wanted(None, [], False, None) is None
+    meta = [torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    assert _shm.lane_wanted(None, meta, False, None) is None
+
+
+def test_required_but_impossible_is_an_error(world: None) -> None:
+    with pytest.raises(HPCError, match=r"(?s)shm=True, but .*\nHINT: pass shm=None"):
+        _shm.open_lane(4096, None, None, required=True)
+    assert _shm.open_lane(4096, None, None) is None
