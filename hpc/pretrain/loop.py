@@ -29,29 +29,9 @@ from hpc.pretrain.reduce import StepReducer, StepStats, check_identical
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
 from hpc.pretrain.space import VAL_STREAM, Supernet, arch_generator, derive_seed
 
-__all__ = ["pretrain", "PretrainResult", "StopFlag"]
+__all__ = ["pretrain", "PretrainResult"]
 
 logger = logging.getLogger(__name__)
-
-
-class StopFlag:
-    """A "checkpoint now and stop at the next step boundary" request.
-
-    Pass it as ``stop_requested``; call :meth:`request` from anywhere (a signal handler,
-    another thread). Only assignment happens in :meth:`request`, so it is safe in a
-    signal handler: ``signal.signal(signal.SIGUSR1, flag.request)``. The loop checks it
-    once per step and agrees across ranks, so a request on any single rank stops all.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def request(self, *_: Any) -> None:
-        """Ask the loop to stop (signature fits ``signal.signal`` handlers)."""
-        self.requested = True
-
-    def __call__(self) -> bool:
-        return self.requested
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, Optional
 
 from hpc.submit.preempt import PreemptGuard, close_before_failing_exit, requeue_after_stop
 
-__all__ = ["AgreedStop"]
+__all__ = ["AgreedStop", "StopFlag"]
 
 
 class AgreedStop:
@@ -131,3 +131,23 @@ class AgreedStop:
         if code:
             close_before_failing_exit()
         sys.exit(code)
+
+
+class StopFlag:
+    """A "checkpoint now and stop at the next step boundary" request.
+
+    Pass it as ``stop_requested``; call :meth:`request` from anywhere (a signal handler,
+    another thread). Only assignment happens in :meth:`request`, so it is safe in a
+    signal handler: ``signal.signal(signal.SIGUSR1, flag.request)``. The loop checks it
+    once per step and agrees across ranks, so a request on any single rank stops all.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, *_: Any) -> None:
+        """Ask the loop to stop (signature fits ``signal.signal`` handlers)."""
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
