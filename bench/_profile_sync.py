@@ -9,6 +9,9 @@ the phases nested in it) and runs the benchmark's training loop:
   ``_foreach`` packing of ``_pack_many``);
 * ``issue``       issuing the collectives (``_launch_ready``);
 * ``wait``        waiting for them (transfer time not hidden behind other work);
+* ``barrier``     shared-memory exchange only: waiting until every rank has packed;
+* ``combine``     shared-memory exchange only: reading the other ranks' buckets
+  (broadcast copies, sums of means) into this rank's own buffers;
 * ``rest``        the remainder of ``sync``: pointing ``.grad`` at the results, stats,
   Python bookkeeping.
 """
@@ -26,9 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
-from hpc.sync import grads
+from hpc.sync import _shm, grads
 
-PHASES = ("agreement", "plan", "pack", "issue", "wait", "rest")
+_ORIG_COMBINE = _shm.ShmLane.combine
+
+PHASES = ("agreement", "plan", "pack", "issue", "wait", "barrier", "combine", "rest")
 
 
 class _Timers:
@@ -71,7 +76,7 @@ def _instrument(gs: hpc.GradSync, t: _Timers, users: bool) -> None:
             return None if work is None else _TimedWork(work, t.wrap(name, work.wait))
         return issue
 
-    grads._all_gather_single = timed_work("agreement", grads._all_gather_single)
+    grads.start_all_gather = timed_work("agreement", grads.start_all_gather)
     grads.start_bucket = timed_work("wait", grads.start_bucket)
     gs._begin = t.wrap("agreement", gs._begin)  # type: ignore[method-assign]
     gs._build = t.wrap("plan", gs._build)  # type: ignore[method-assign]
@@ -79,6 +84,8 @@ def _instrument(gs: hpc.GradSync, t: _Timers, users: bool) -> None:
     gs._pack_many = t.wrap("pack", gs._pack_many)  # type: ignore[method-assign]
     gs._launch_ready = t.wrap("issue", gs._launch_ready)  # type: ignore[method-assign]
     gs.sync = t.wrap("rest", gs.sync)  # type: ignore[method-assign]
+    _shm.start_max = timed_work("barrier", _shm.start_max)
+    _shm.ShmLane.combine = t.wrap("combine", _ORIG_COMBINE)  # type: ignore[method-assign]
 
 
 def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
@@ -91,7 +98,7 @@ def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
     nblocks = len(model.blocks)
     for gname, group in groups.items():
         for use_users in (False, True):
-            orig = (grads._all_gather_single, grads.start_bucket)
+            orig = (grads.start_all_gather, grads.start_bucket, _shm.start_max)
             gs = hpc.GradSync(model, group=group)
             t = _Timers()
             _instrument(gs, t, use_users)
@@ -113,7 +120,8 @@ def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
                     if k >= args.warmup:
                         per_step.append(time.perf_counter() - t0)
             finally:
-                grads._all_gather_single, grads.start_bucket = orig
+                grads.start_all_gather, grads.start_bucket, _shm.start_max = orig
+                _shm.ShmLane.combine = _ORIG_COMBINE  # type: ignore[method-assign]
             if info.rank == 0:
                 _report(gname, group, batch, use_users, t, per_step, gs.stats, steps)
 

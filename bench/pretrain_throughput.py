@@ -35,7 +35,7 @@ def worker(args: argparse.Namespace) -> int:
 
     cfg = PretrainConfig(epochs=args.epochs, batch_size=args.batch_size, width=args.width,
                          out=None, progress=False, val_every=0, val_archs=1,
-                         recal_samples=0, setup_logging=False)
+                         recal_samples=0, setup_logging=False, overlap=args.overlap)
     result = pretrain(cfg)
     if hpc.is_master():
         print("THROUGHPUT " + json.dumps({"world": result.world_size, "steps": result.step,
@@ -53,10 +53,12 @@ def _env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def launch(nproc: int, args: argparse.Namespace) -> dict[str, Any]:
+def launch(nproc: int, args: argparse.Namespace, overlap: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--",
            str(HERE / "pretrain_throughput.py"), "--worker", "--epochs", str(args.epochs),
            "--batch-size", str(args.batch_size), "--width", str(args.width)]
+    if overlap:
+        cmd.append("--overlap")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(args))
     for line in proc.stdout.splitlines():
         if "THROUGHPUT " in line:
@@ -88,6 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "threads a tiny model loses most of its speed to OpenMP spin-waits "
                     "as soon as anything else runs)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also time each world size with PretrainConfig(overlap=True) "
+                    "(GradSync.backward), interleaved with the default")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -98,6 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows["plain"].append(plain(args, steps_1))
         for n in ranks:
             rows.setdefault(f"hpc x{n}", []).append(launch(n, args)["samples_per_s"])
+            if args.overlap and n > 1:
+                rows.setdefault(f"hpc x{n} overlap", []).append(
+                    launch(n, args, overlap=True)["samples_per_s"])
     base = statistics.median(rows["plain"])
     print(f"pretrain throughput: digits, width {args.width}, batch {args.batch_size}/rank, "
           f"{args.epochs} epochs/run, median of {args.repeats}, {os.cpu_count()} CPU cores, "

@@ -78,6 +78,8 @@ def _build(p: argparse.ArgumentParser) -> None:
     a("--elastic", action="store_true",
       help="allow resuming with a different number of ranks (not exact)")
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    a("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
+      help="send gradients during backward instead of after it (same results)")
     a("--check-sync", action="store_true",
       help="debug: verify after every step that all ranks hold identical weights")
     a("--no-deterministic", dest="deterministic", action="store_false",

@@ -53,6 +53,9 @@ class PretrainConfig:
         max_steps: Stop (with a checkpoint) once this global step is reached, even
             mid-epoch; ``None`` = run all epochs. The schedule still spans ``epochs``.
         progress: Show a tqdm bar on local masters.
+        overlap: Send each step's gradients while backward still runs
+            (:meth:`hpc.GradSync.backward`) instead of after it (``sync``); the same
+            bits either way.
         check_sync: Debug: after every step all-gather a digest of parameters and
             buffers and raise :class:`~hpc.ModelMismatchError` when ranks differ.
         setup_logging: Call :func:`hpc.setup_logging` with the run directory's log file.
@@ -84,6 +87,7 @@ class PretrainConfig:
     elastic: bool = False
     max_steps: Optional[int] = None
     progress: bool = True
+    overlap: bool = False
     check_sync: bool = False
     setup_logging: bool = True
     deterministic: bool = True

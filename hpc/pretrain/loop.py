@@ -168,6 +168,7 @@ class _Run:
         space.to(self.dev)
         hpc.sync_model(space)
         self.space = space
+        self.grad_sync = hpc.GradSync(space)
         self.n_train = n_train = int(data.x_train.shape[0])
         self.spe = steps_per_epoch(n_train, self.world, cfg.batch_size)
         if self.spe < 1:
@@ -290,8 +291,11 @@ class _Run:
         optimizer.zero_grad(set_to_none=True)
         out = space(xb, arch)
         loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
-        loss.backward()
-        hpc.sync_gradients(space, self._users(arch))
+        if cfg.overlap:
+            self.grad_sync.backward(loss, users=self._users(arch))
+        else:
+            loss.backward()
+            self.grad_sync.sync(self._users(arch))
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]
         self.scheduler.step()

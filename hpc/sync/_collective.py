@@ -28,6 +28,7 @@ from hpc.errors import ModelMismatchError
 __all__ = ["active_world", "check_same_tensors", "start_check", "finish_check",
            "comm_device", "Signature", "describe", "agreement_vector", "all_agree",
            "same_on_all_ranks", "BucketKind", "BUCKET_KINDS", "start_bucket", "start_max",
+           "start_all_gather",
            "P2P_TAG_BASE", "MODEL_BUCKET_BYTES",
            "GRAD_BUCKET_BYTES", "GRAD_OVERLAP_BUCKET_BYTES"]
 
@@ -154,6 +155,27 @@ class _Pairwise:
         return all(w.is_completed() for w in self._works)
 
 
+def start_all_gather(out: torch.Tensor, mine: torch.Tensor,
+                     group: Optional[Any] = None) -> Any:
+    """Gather every rank's ``mine`` into ``out`` (rank order), asynchronously; a Work.
+
+    At world size 2 on gloo (CPU tensors) the two ranks swap ``mine`` with
+    ``isend``/``irecv``, skipping gloo's worker hand-off as :func:`start_bucket` does.
+    """
+    peer = _p2p_peer(mine, group)
+    if peer is None:
+        # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single;
+        # looked up per call, so the watchdog's tracker (installed later) sees it.
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(out, mine, group=group, async_op=True)
+    n, rank = mine.numel(), dist.get_rank(group)
+    out[rank * n:(rank + 1) * n].copy_(mine)
+    tag = P2P_TAG_BASE - 2
+    theirs = out[(1 - rank) * n:(2 - rank) * n]
+    return _Pairwise("all_gather", group, [dist.isend(mine, peer, group=group, tag=tag),
+                                           dist.irecv(theirs, peer, group=group, tag=tag)])
+
+
 class _MaxReduce:
     """An element-wise ``MAX`` over the ranks of a small int64 vector, started now.
 
@@ -195,13 +217,13 @@ def start_max(mine: torch.Tensor, group: Optional[Any] = None,
 
 
 def _p2p_peer(flat: torch.Tensor, group: Optional[Any]) -> Optional[int]:
-    """The other rank's global number when ``flat``'s broadcast can be a send (ws 2,
-    gloo moves this tensor), else None."""
-    if dist.get_world_size(group) != 2:
+    """The other rank's global number when ``flat``'s broadcast can be a send (ws 2, a
+    CPU tensor on gloo; gloo's CUDA support is for collectives), else None."""
+    if flat.device.type != "cpu" or dist.get_world_size(group) != 2:
         return None
     from hpc.bootstrap.backend import parse_backend
 
-    if parse_backend(_backend(group)).get(flat.device.type) != "gloo":
+    if parse_backend(_backend(group)).get("cpu") != "gloo":
         return None
     other = 1 - dist.get_rank(group)
     return dist.get_global_rank(group, other) if group is not None else other

@@ -38,6 +38,7 @@ from hpc.sync._collective import (
     active_world,
     check_same_tensors,
     comm_device,
+    start_all_gather,
     start_bucket,
 )
 from hpc.sync._pack import Layout
@@ -48,12 +49,6 @@ from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 __all__ = ["sync_gradients", "GradSync"]
 
 logger = logging.getLogger(__name__)
-
-def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    """torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single;
-    looked up per call, so the watchdog's tracker (installed later) sees it."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(*args, **kwargs)
 
 ModuleOrParams = Union[torch.nn.Module, Iterable[torch.Tensor]]
 
@@ -161,7 +156,7 @@ class GradSync:
         with torch.no_grad():
             if st is None:
                 mine = local_mask(self.named, None)
-                st = (self._begin(mine, asynchronous=False) if users is None
+                st = (self._begin(mine) if users is None
                       else self._given(mine, users, ws))
             self._finish(st, ws)
 
@@ -184,7 +179,7 @@ class GradSync:
                     lambda _p, i=i: _on_grad(ref, i)))
         mine = local_mask(self.named, loss)
         if users is None:
-            self._step = self._begin(mine, asynchronous=True)
+            self._step = self._begin(mine)
             self._step.overlap = True
         else:
             self._step = self._given(mine, users, dist.get_world_size(self.group),
@@ -225,14 +220,13 @@ class GradSync:
         self._build(st)
         return st
 
-    def _begin(self, mine: torch.Tensor, asynchronous: bool) -> _Step:
+    def _begin(self, mine: torch.Tensor) -> _Step:
         self._check_once()
         ws = dist.get_world_size(self.group)
         dev = comm_device(self.group)
         mine_d = mine.to(dev)
         users = torch.empty(ws * len(self.params), dtype=torch.uint8, device=dev)
-        work = _all_gather_single(users, mine_d, group=self.group, async_op=asynchronous)
-        return _Step(mine, users, work)
+        return _Step(mine, users, start_all_gather(users, mine_d, self.group))
 
     def _build(self, st: _Step) -> None:
         """Plan the buckets from the gathered usage; allocate and zero-fill buffers."""
