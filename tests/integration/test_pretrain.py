@@ -151,6 +151,16 @@ def test_resume_at_epoch_boundary_is_bitwise_exact(straight: tuple[Path, Any],
     assert _losses(out) == _losses(straight[0])
 
 
+@pytest.mark.timeout(150)
+def test_overlapped_sync_gives_the_same_run(straight: tuple[Path, Any],
+                                            tmp_path: Path) -> None:
+    """``--overlap`` (GradSync.backward) sends during backward: the same bits."""
+    out = tmp_path / "run"
+    ok(run(2, *TINY, "--overlap", "--out", str(out)))
+    assert_same_state(final_state(straight[0]), final_state(out))
+    assert _losses(out) == _losses(straight[0])
+
+
 def _losses(run_dir: Path) -> list[tuple[str, ...]]:
     import csv
 
