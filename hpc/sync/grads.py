@@ -374,8 +374,8 @@ def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = No
 
     For a module (with the default group) one :class:`GradSync` is cached per module and
     reused, buffers included, as long as the call's options equal the ones it was built
-    with (other options build, and cache, a new one); for a list of parameters a new one
-    is built per call.
+    with (other options build, and cache, a new one); for a list of parameters (or with
+    ``group``) a new one is built per call, without shared memory unless ``shm=True``.
     """
     if not active_world(group):
         return
@@ -390,4 +390,7 @@ def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = No
             cached = _CACHE[module_or_params] = (options, GradSync(module_or_params, **options))
         cached[1].sync(users)
         return
+    # Built for this call only: opening shared memory (three collectives, reserving
+    # twice the gradients' bytes) would cost more than it saves once.
+    options["shm"] = False if shm is None else shm
     GradSync(module_or_params, **options).sync(users)
