@@ -2,8 +2,9 @@
 
 * :mod:`hpc.sync.model` — ``sync_model``: parameters and buffers, bucketed;
 * :mod:`hpc.sync.grads` — ``sync_gradients``/``GradSync`` for supernets;
-* :mod:`hpc.sync._plan`, :mod:`hpc.sync._collective` and :mod:`hpc.sync._users` — their
-  internals.
+* :mod:`hpc.sync._plan`, :mod:`hpc.sync._pack`, :mod:`hpc.sync._collective`,
+  :mod:`hpc.sync._shm` (same-host exchange through ``/dev/shm``) and
+  :mod:`hpc.sync._users` — their internals.
 
 Served lazily: importing :mod:`hpc.sync` does not import torch.
 """
