@@ -62,12 +62,6 @@ class Layout:
                                     for b in plan if b.kind == k)
         return out
 
-    def max_bytes(self) -> int:
-        """Bytes of every parameter on the wire, each bucket's slot aligned: what one
-        step's shared-memory half must hold (a parameter is in one bucket at most)."""
-        return sum(n * size for n, size in zip(self.numels, self.itemsizes)) \
-            + 64 * len(self.numels)
-
     def view(self, flat: torch.Tensor, off: int, i: int) -> torch.Tensor:
         """Parameter ``i``'s slot in ``flat``, shaped (and strided) like the parameter."""
         strides = self.strides[i]

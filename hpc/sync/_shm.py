@@ -15,7 +15,7 @@ finished reading step k. The results are copied into the rank's private buffers,
 gradients never alias shared memory (clipping them in place, or ``zero_grad(
 set_to_none=False)``, cannot reach another rank's read).
 
-Opening is collective and decided on every rank alike: one ``all_reduce`` agrees whether
+Opening is collective and decided on every rank alike: one MAX over the ranks agrees whether
 every rank wants it (and carries rank 0's random token, which names the files), one says
 whether every rank could create its file (``posix_fallocate`` reserves the memory, so a
 full ``/dev/shm`` is refused now instead of a SIGBUS later), one whether every rank
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from hpc.errors import HPCError
 from hpc.sync._collective import comm_device, start_max
 
-__all__ = ["ShmLane", "open_lane", "lane_wanted", "SHM_DIR", "ENV"]
+__all__ = ["ShmLane", "open_lane", "lane_wanted", "half_bytes", "SHM_DIR", "ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,12 @@ ENV = "HPC_SYNC_SHM"
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def half_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
+    """Bytes one step's half must hold for these parameters: every one on the wire, each
+    in its own aligned slot at worst (a parameter is in one bucket at most)."""
+    return sum(n * size for n, size in zip(numels, itemsizes)) + ALIGN * len(numels)
 
 
 class ShmLane:
@@ -87,15 +93,15 @@ class ShmLane:
             at += _aligned(n)
         return out
 
-    def place(self, plan: Sequence[Any], rank: int) -> None:
+    def place(self, plan: Sequence[Any]) -> None:
         """Start a step: give every bucket its slot; ``flat`` = this rank's slot where
         it packs (its own broadcasts, every mean), else None."""
         self.begin_step()
         sizes = [b.numel * b.key[1].itemsize for b in plan]
         for b, off in zip(plan, self.offsets(sizes)):
             b.slot = off
-            mine = b.kind == "mean" or b.owner == rank
-            b.flat = self.slot(rank, off, b.numel, b.key[1]) if mine else None
+            mine = b.kind == "mean" or b.owner == self.rank
+            b.flat = self.slot(self.rank, off, b.numel, b.key[1]) if mine else None
 
     def exchange(self, plan: Sequence[Any], arena: Any, group: Optional[Any]) -> None:
         """After packing: one barrier, then every bucket's result into a private buffer
@@ -122,18 +128,18 @@ def _stamp(token: int, rank: int) -> torch.Tensor:
     return torch.tensor([token, rank, 0x48504353484D], dtype=torch.int64)
 
 
-def _all_min(flag: bool, group: Optional[Any]) -> bool:
+def _all_true(flag: bool, group: Optional[Any]) -> bool:
+    """True on every rank when ``flag`` is true on every rank (a MAX of "not flag")."""
     t = torch.tensor([0 if flag else 1], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item()) == 0
+    return int(start_max(t, group).wait()[0]) == 0
 
 
 def _agree(want: bool, group: Optional[Any]) -> tuple[bool, int]:
-    """(every rank wants the lane, rank 0's token): one ``all_reduce(MAX)``."""
+    """(every rank wants the lane, rank 0's token): one MAX over the ranks."""
     token = int.from_bytes(os.urandom(7), "little") if dist.get_rank(group) == 0 else 0
     t = torch.tensor([0 if want else 1, token], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t[0]) == 0, int(t[1])
+    agreed = start_max(t, group).wait()
+    return int(agreed[0]) == 0, int(agreed[1])
 
 
 def _create(path: str, size: int) -> Optional[str]:
@@ -220,12 +226,12 @@ def _open(half: int, group: Optional[Any], want: bool) -> tuple[Optional[ShmLane
         mine = torch.from_file(paths[rank], shared=True, size=size, dtype=torch.uint8)
         mine[:24].view(torch.int64).copy_(_stamp(token, rank))
         del mine
-    if not _all_min(why is None, group):
+    if not _all_true(why is None, group):
         if why is None:
             os.unlink(paths[rank])
         return None, why or "another rank could not create its region"
     regions, why = _map_all(paths, size, token)
-    ok = _all_min(why is None, group)  # every rank has mapped (or failed) by now
+    ok = _all_true(why is None, group)  # every rank has mapped (or failed) by now
     os.unlink(paths[rank])
     if not ok:
         return None, why or "another rank cannot see every region (other hosts?)"

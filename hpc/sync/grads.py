@@ -43,7 +43,7 @@ from hpc.sync._collective import (
 )
 from hpc.sync._pack import Layout
 from hpc.sync._plan import Arena, Bucket, local_mask, make_plan, trainable
-from hpc.sync._shm import ShmLane, lane_wanted, open_lane
+from hpc.sync._shm import ShmLane, half_bytes, lane_wanted, open_lane
 from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 
 __all__ = ["sync_gradients", "GradSync"]
@@ -201,8 +201,9 @@ class GradSync:
     def _check_once(self) -> None:
         if not self._checked:
             check_same_tensors(self.named, "sync_gradients", self.group)
-            self._lane = open_lane(self._layout.max_bytes(), self.group, lane_wanted(
-                self.shm, self.params, self.match_ddp, self.group), bool(self.shm))
+            want = lane_wanted(self.shm, self.params, self.match_ddp, self.group)
+            self._lane = open_lane(half_bytes(self._numels, self._itemsizes), self.group,
+                                   want, bool(self.shm))
             self._checked = True
 
     def _given(self, mine: torch.Tensor, users: Users, ws: int,
@@ -246,7 +247,7 @@ class GradSync:
                             rank, layout)
         mine = st.mine.tolist()
         if self._lane is not None:
-            self._lane.place(st.plan, rank)
+            self._lane.place(st.plan)
         for b in st.plan:
             device, dtype = b.key[0], b.key[1]
             if self._lane is None:
@@ -352,6 +353,7 @@ class GradSync:
             self.stats = self._layout.stats(plan, sent, shm=self._lane is not None)
         finally:
             self._arena.end_step()
+
 
 def _on_grad(ref: "weakref.ReferenceType[GradSync]", i: int) -> None:
     gs = ref()
