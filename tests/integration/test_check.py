@@ -110,18 +110,28 @@ def _tc(action: str, *qdisc: str, what: str = "qdisc") -> subprocess.CompletedPr
                           text=True, timeout=20)
 
 
-@pytest.mark.slurm
-@pytest.mark.timeout(150)
-def test_four_nodes_throttled_node3_is_named_alone(job: str, tmp_path: Path) -> None:
+def _check_shaped(job: str, tmp_path: Path, steps: list[tuple[str, list[str]]]
+                  ) -> subprocess.CompletedProcess[str]:
+    """Apply ``tc`` ``steps`` ((what, args) pairs) to node3's eth0, run the 4-node check,
+    and remove the shaping again whatever happened."""
     require("tc", "iproute2's tc")
     _tc("del")  # a leftover from a killed run
-    added = _tc("add", "tbf", "rate", "50mbit", "burst", "64kb", "latency", "50ms")
-    assert added.returncode == 0, added.stderr
     try:
+        for what, args in steps:
+            added = _tc(args[0], *args[1:], what=what)
+            assert added.returncode == 0, (what, args, added.stderr)
         proc = _srun_check(job, tmp_path)
     finally:
         removed = _tc("del")
     assert removed.returncode == 0, removed.stderr
+    return proc
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_four_nodes_throttled_node3_is_named_alone(job: str, tmp_path: Path) -> None:
+    proc = _check_shaped(job, tmp_path, [
+        ("qdisc", ["add", "tbf", "rate", "50mbit", "burst", "64kb", "latency", "50ms"])])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = verdict(proc.stdout)
     assert line.startswith("FLAGGED node3: slow node node3: busbw of all its 3 pairs"), line
@@ -141,21 +151,12 @@ def test_four_nodes_one_slow_link_is_told_from_a_slow_node(job: str, tmp_path: P
     """Only node3 -> node4 at 50 Mbit/s (htb: a fast default class, a slow one that a u32
     filter picks for node4's address): the pair node3-node4 is slow, node3's other two
     pairs and node4's other two are not, so the verdict is one slow link, no slow node."""
-    require("tc", "iproute2's tc")
-    _tc("del")
-    steps = [("qdisc", ["add", "handle", "1:", "htb", "default", "10"]),
-             ("class", ["add", "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"]),
-             ("class", ["add", "parent", "1:", "classid", "1:20", "htb", "rate", "50mbit"]),
-             ("filter", ["add", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
-                         "ip", "dst", f"{_node_address('node4')}/32", "flowid", "1:20"])]
-    try:
-        for what, args in steps:
-            added = _tc(args[0], *args[1:], what=what)
-            assert added.returncode == 0, (what, args, added.stderr)
-        proc = _srun_check(job, tmp_path)
-    finally:
-        removed = _tc("del")
-    assert removed.returncode == 0, removed.stderr
+    proc = _check_shaped(job, tmp_path, [
+        ("qdisc", ["add", "handle", "1:", "htb", "default", "10"]),
+        ("class", ["add", "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"]),
+        ("class", ["add", "parent", "1:", "classid", "1:20", "htb", "rate", "50mbit"]),
+        ("filter", ["add", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                    "ip", "dst", f"{_node_address('node4')}/32", "flowid", "1:20"])])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = verdict(proc.stdout)
     assert line.startswith("FLAGGED node3, node4: slow link node3-node4: busbw"), line
