@@ -227,7 +227,7 @@ def check_reducer(torch: Any, dev: Any) -> str:
 def _digest(path: Path) -> str:
     import torch
 
-    from hpc.submit.checkpoint import load_latest
+    from hpc.checkpoint.files import load_latest
 
     found = load_latest(path / "checkpoints")
     if found is None:

@@ -1,7 +1,7 @@
 """Benchmark: what the watchdog's collective tracking costs per collective.
 
 Times, in one process, the same call untracked and wrapped by
-:func:`hpc.bootstrap.tracker.install` (what ``init_torch`` does unless
+:func:`hpc.watchdog.tracker.install` (what ``init_torch`` does unless
 ``HPC_WATCHDOG=0``): a no-op function (the wrapper's own cost) and a real gloo
 ``all_reduce`` of a 1-element tensor in a world of 1 (the cheapest real collective).
 Interleaved rounds, median per call::
@@ -22,7 +22,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hpc.bootstrap import tracker
+from hpc.watchdog import tracker
 
 
 def _per_call(fn: Callable[[], Any], calls: int) -> float:

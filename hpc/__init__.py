@@ -46,9 +46,9 @@ _LAZY = {
     "seed_everything": "hpc.bootstrap.distributed", "setup_logging": "hpc.log",
     "sync_model": "hpc.sync.model", "sync_gradients": "hpc.sync.grads", "GradSync": "hpc.sync.grads",
     # checkpoint, resume and the agreed stop for any script (docs/preemptible.md)
-    "save_checkpoint": "hpc.submit.resume", "restore_checkpoint": "hpc.submit.resume",
-    "Restored": "hpc.submit.resume", "ResumableSampler": "hpc.submit.sampler",
-    "AgreedStop": "hpc.submit.stop", "PreemptGuard": "hpc.submit.preempt",
+    "save_checkpoint": "hpc.checkpoint.resume", "restore_checkpoint": "hpc.checkpoint.resume",
+    "Restored": "hpc.checkpoint.resume", "ResumableSampler": "hpc.checkpoint.sampler",
+    "AgreedStop": "hpc.preempt.stop", "PreemptGuard": "hpc.preempt.guard",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

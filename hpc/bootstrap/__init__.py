@@ -5,10 +5,10 @@
 * :mod:`hpc.bootstrap.preflight` — the pre-flight before init (all ranks joined, no GPU shared);
   under torchrun scoped by :mod:`hpc.bootstrap.attempt`, the attempt id all ranks share;
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
-* :mod:`hpc.bootstrap.failure` — failure marks that name the rank that failed first;
-* :mod:`hpc.bootstrap.watchdog` — after init: the stuck-rank report, one failing rank
-  ends the job (with :mod:`hpc.bootstrap.tracker`, the collective sequence numbers, and
-  :mod:`hpc.bootstrap.report`, the report's text);
+* :mod:`hpc.watchdog.failure` — failure marks that name the rank that failed first;
+* :mod:`hpc.watchdog.monitor` — after init: the stuck-rank report, one failing rank
+  ends the job (with :mod:`hpc.watchdog.tracker`, the collective sequence numbers, and
+  :mod:`hpc.watchdog.report`, the report's text);
 * :mod:`hpc.bootstrap.shutdown` — at exit: destroy, abort or end the group, by what happened.
 
 Nothing here is imported by ``import hpc``; the public names are served by :mod:`hpc`.

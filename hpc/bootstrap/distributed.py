@@ -220,7 +220,7 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
         store = dist.HashStore()
     else:
         if nccl:
-            from hpc.bootstrap.watchdog import flight_recorder_env
+            from hpc.watchdog.monitor import flight_recorder_env
 
             os.environ.update(flight_recorder_env(os.environ))
         gpu = None
@@ -243,7 +243,7 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
                             **kwargs)
     if info.world_size > 1:
         preflight.confirm_init(store, info, connect_timeout)
-        from hpc.bootstrap import watchdog
+        from hpc.watchdog import monitor as watchdog
 
         watchdog.start(info, lambda t: preflight.client(info, env, t),
                        timeout.total_seconds(), env)
@@ -255,7 +255,7 @@ def _register_exit(rank: int, env: Mapping[str, str]) -> None:
         return
     atexit.register(teardown)
     _STATE["atexit"] = True
-    from hpc.bootstrap import failure
+    from hpc.watchdog import failure
 
     failure.watch()  # teardown aborts, rather than destroys, a failing rank's group
     failure.install(rank, env)  # after teardown's handler: runs before it
@@ -264,7 +264,7 @@ def _register_exit(rank: int, env: Mapping[str, str]) -> None:
 def teardown() -> None:
     """Destroy the process group (safe to call twice; also runs at exit).
 
-    A failing process (:func:`hpc.bootstrap.failure.failed`) aborts the group instead:
+    A failing process (:func:`hpc.watchdog.failure.failed`) aborts the group instead:
     destroying it flushes pending NCCL work, which hangs when peers are gone, and the
     launcher's kill-on-bad-exit or ``hpc run``'s report would never come. The how is
     :func:`hpc.bootstrap.shutdown.close_group`.

@@ -25,7 +25,8 @@ def close_group() -> None:
 
         import torch.distributed as dist
 
-        from hpc.bootstrap import failure, watchdog
+        from hpc.watchdog import failure
+        from hpc.watchdog import monitor as watchdog
 
         dog = watchdog.stop()
         if dog is not None and dog.failure is not None:

@@ -1,6 +1,6 @@
 """Checkpoint files: atomic save, keep-last-K, verified load with fallback, RNG states.
 
-The file layer under :mod:`hpc.submit.resume` (the collective save/restore a training
+The file layer under :mod:`hpc.checkpoint.resume` (the collective save/restore a training
 script calls) and ``hpc pretrain``/``search``/``tune``; no collectives here.
 
 Files are ``ckpt-<step:08d>.pt`` in a checkpoint directory, each with a

@@ -10,7 +10,7 @@ master (the launching guide's rule)::
 
 :func:`save_checkpoint` gathers every rank's RNG states (python, numpy, torch CPU,
 CUDA) on the master, which writes ``ckpt-<step>.pt`` atomically (temporary file, fsync,
-rename, a ``.sha256`` sidecar; :mod:`hpc.submit.checkpoint`) and keeps the newest
+rename, a ``.sha256`` sidecar; :mod:`hpc.checkpoint.files`) and keeps the newest
 ``keep``. :func:`restore_checkpoint` lets the master choose the newest file that loads
 (a truncated or corrupt newer one is skipped with a warning), broadcasts its path, and
 every rank loads it with ``torch.load(weights_only=True)`` into the model, optimizer,
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpc.errors import CheckpointError
-from hpc.submit.checkpoint import (
+from hpc.checkpoint.files import (
     capture_rng,
     checkpoint_path,
     load_latest,
@@ -119,7 +119,7 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
         optimizer: Saved when given.
         scheduler: Saved when given (anything with ``state_dict``).
         sampler: Saved when given: its epoch, position and layout (a
-            ``DistributedSampler`` or :class:`~hpc.submit.sampler.ResumableSampler`).
+            ``DistributedSampler`` or :class:`~hpc.checkpoint.sampler.ResumableSampler`).
         epoch: The epoch of the *next* step.
         batch: Batches of ``epoch`` already done (0 at an epoch boundary).
         keep: Checkpoints kept (0: all).
@@ -203,7 +203,7 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
         CheckpointError: on every rank, when the master's choice failed or a rank could
             not load the file it chose (it is not on a shared filesystem).
     """
-    from hpc.submit.checkpoint import load_checkpoint
+    from hpc.checkpoint.files import load_checkpoint
 
     rank, _ = _rank_world()
     path, error, payload = choose() if rank == 0 else (None, None, None)
@@ -277,7 +277,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
         optimizer: Loaded when given.
         scheduler: Loaded when given.
         sampler: Moved to the saved epoch, and past the batches already done
-            (:class:`~hpc.submit.sampler.ResumableSampler`).
+            (:class:`~hpc.checkpoint.sampler.ResumableSampler`).
         allow_world_change: Continue from a checkpoint of another number of ranks: the
             states are loaded, the RNG is not restored and the sampler resumes at the
             same sample count; not exact.
@@ -312,7 +312,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
                            "(RNG not restored; epoch %d continues at batch %d)",
                            saved_world, world, path, epoch, batch)
     if sampler is not None:
-        from hpc.submit.sampler import position_sampler
+        from hpc.checkpoint.sampler import position_sampler
 
         position_sampler(sampler, epoch, batch, payload.get("sampler"), path)
     if rank == 0:

@@ -4,7 +4,7 @@
 epoch)`` but always starts the epoch at its first sample, so a run stopped after batch
 ``b`` of an epoch could only resume at an epoch boundary. :class:`ResumableSampler` is
 the same sampler (same order, same partition) that skips the batches already done,
-once, in the epoch :func:`~hpc.submit.resume.restore_checkpoint` put it in::
+once, in the epoch :func:`~hpc.checkpoint.resume.restore_checkpoint` put it in::
 
     sampler = hpc.ResumableSampler(dataset, batch_size=32, seed=0)
     loader = DataLoader(dataset, batch_size=32, sampler=sampler)

@@ -1,7 +1,7 @@
 """``hpc first-failure DIR``: which rank failed first, from the failure marks in DIR.
 
 Each rank started by :func:`hpc.init_torch` with ``HPC_ERROR_DIR=DIR`` records there
-when and why it began to fail (:mod:`hpc.bootstrap.failure`). The sbatch templates in
+when and why it began to fail (:mod:`hpc.watchdog.failure`). The sbatch templates in
 ``slurm/`` run this after a failed ``srun`` so that the job's log names the rank whose
 failure began first, with host, pid, time and message, instead of leaving the reader
 with srun's lines, which come in the order srun learned of the exits. ``--log FILE``

@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: Subcommand -> module contributing it, imported lazily (none imports torch at import).
 SUBCOMMANDS = {"run": "hpc.cli.run", "env": "hpc.cli.env", "demo": "hpc.cli.demo",
-               "pretrain": "hpc.pretrain.cli", "search": "hpc.pretrain.search_cli",
-               "tune": "hpc.pretrain.tune_cli", "submit": "hpc.submit.cli",
+               "pretrain": "hpc.pretrain.cli", "search": "hpc.search.search_cli",
+               "tune": "hpc.search.tune_cli", "submit": "hpc.submit.cli",
                "first-failure": "hpc.cli.failures", "check": "hpc.check.cli"}
 
 

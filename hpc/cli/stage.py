@@ -50,8 +50,8 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
         progress: Where the stage stopped, its limit and its checkpoint.
     """
     from hpc.errors import HPCError
-    from hpc.submit.preempt import stopped_by_request
-    from hpc.submit.stop import AgreedStop
+    from hpc.preempt.requeue import stopped_by_request
+    from hpc.preempt.stop import AgreedStop
 
     try:  # first: the warning signal must not kill a rank that is still importing torch
         stop = AgreedStop()  # installs the guard

@@ -5,7 +5,7 @@ step and agrees across ranks. A second source is the stop file (``HPC_STOP_FILE`
 the signal never reaches the ranks (``mpirun`` under Slurm does not forward it,
 openpmix/prrte#2136) the batch shell traps it and writes the signal's name into that
 file; the guard looks for it at most every :data:`STOP_FILE_POLL_S` seconds (one
-``stat``), so polling the guard every step stays cheap. :mod:`hpc.submit.preempt` has
+``stat``), so polling the guard every step stays cheap. :mod:`hpc.preempt.requeue` has
 the rest of the flow (the requeue budget, ``scontrol requeue``, the exit codes) and the
 table of the variables it reads.
 """
@@ -103,7 +103,7 @@ class PreemptGuard:
 
     Installing replaces any previous handler of the signal, submitit's included (it would
     requeue at once from inside the handler, without the agreed stop), and unblocks the
-    signals (``python -m hpc.submit.shield`` starts a launcher with SIGTERM blocked, so a
+    signals (``python -m hpc.preempt.shield`` starts a launcher with SIGTERM blocked, so a
     preemption's SIGTERM waits, pending, until here).
 
     The guard also asks for the stop when the stop file exists (``stop_file``, default

@@ -8,7 +8,7 @@ every task instead and SIGKILL ``GraceTime`` seconds later; a job that ends with
 grace time is *not* requeued by Slurm. So the guard handles both (``HPC_PREEMPT_SIGNALS``,
 default the warning signal and TERM) and hpc requeues the job itself. The flow:
 
-1. :class:`PreemptGuard` (:mod:`hpc.submit.guard`, re-exported here) turns the signal
+1. :class:`PreemptGuard` (:mod:`hpc.preempt.guard`, re-exported here) turns the signal
    into a stop request on every rank that receives it (the handler only assigns a flag,
    so it is signal-safe).
 2. The training loop polls the guard once per step and agrees across ranks (one tiny
@@ -69,7 +69,7 @@ from collections.abc import Mapping
 from typing import Callable, Optional
 
 from hpc.errors import SubmitError
-from hpc.submit.guard import (
+from hpc.preempt.guard import (
     DEFAULT_SIGNAL,
     VALID_SIGNALS,
     PreemptGuard,

@@ -3,7 +3,7 @@
 A preemption signal reaches some ranks and not others, and at different moments. A loop
 that stopped on its own rank's flag would leave the others waiting in the next
 collective. :class:`AgreedStop` turns the local requests of a
-:class:`~hpc.submit.preempt.PreemptGuard` into one answer every rank gets at the same
+:class:`~hpc.preempt.requeue.PreemptGuard` into one answer every rank gets at the same
 step: one ``all_reduce(MAX)`` of a one-element tensor, on the steps where
 ``step % every == 0`` (a rule all ranks know in advance, so they reduce together)::
 
@@ -15,7 +15,7 @@ step: one ``all_reduce(MAX)`` of a one-element tensor, on the steps where
             hpc.save_checkpoint("ckpt", step, model=model, ...)
             stop.requeue_and_exit(step, "ckpt")   # exits 75 when requeued
 
-The exit codes are those of ``hpc pretrain`` (:func:`~hpc.submit.preempt.requeue_after_stop`):
+The exit codes are those of ``hpc pretrain`` (:func:`~hpc.preempt.requeue.requeue_after_stop`):
 75 after a requeue, 0 outside Slurm (rerun to resume), 1 when the job could not be
 requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (see
 ``docs/preemptible.md``); ``every=k`` divides it by ``k`` and delays the stop by at most
@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NoReturn, Optional
 
-from hpc.submit.preempt import PreemptGuard, close_before_failing_exit, requeue_after_stop
+from hpc.preempt.requeue import PreemptGuard, close_before_failing_exit, requeue_after_stop
 
 __all__ = ["AgreedStop", "StopFlag"]
 
@@ -108,7 +108,7 @@ class AgreedStop:
 
         Returns:
             0 when the loop was not stopped, else the outcome of
-            :func:`~hpc.submit.preempt.requeue_after_stop` (75 requeued, 0 not a
+            :func:`~hpc.preempt.requeue.requeue_after_stop` (75 requeued, 0 not a
             Slurm job, 1 not requeued), the same on every rank.
         """
         if not (self.stopped if stopped is None else stopped):
@@ -122,7 +122,7 @@ class AgreedStop:
     def requeue_and_exit(self, step: int, checkpoint: Optional[str] = None) -> NoReturn:
         """:meth:`exit_code`, then ``sys.exit`` with it (collective).
 
-        Before a non-zero exit, :func:`~hpc.submit.preempt.close_before_failing_exit`
+        Before a non-zero exit, :func:`~hpc.preempt.requeue.close_before_failing_exit`
         (the group closed, SIGTERM ignored: srun's TERM to a peer still shutting down
         would turn the agreed exit into a failed job).
         """

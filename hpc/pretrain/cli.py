@@ -7,7 +7,7 @@ cleanly at a checkpoint, 1 on a configuration/checkpoint error (same on every ra
 The warning signal (``HPC_PREEMPT_SIGNAL``, default USR2; ``#SBATCH --signal=USR2@120``)
 stops every rank at the same step with a checkpoint; in a Slurm batch job the master then
 runs ``scontrol requeue`` (budget ``HPC_MAX_REQUEUES``) and every rank exits with 75, or
-1 when the job could not be requeued (see :mod:`hpc.submit.preempt`).
+1 when the job could not be requeued (see :mod:`hpc.preempt.requeue`).
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
     from hpc.errors import HPCError
-    from hpc.submit.preempt import stopped_by_request
-    from hpc.submit.stop import AgreedStop
+    from hpc.preempt.requeue import stopped_by_request
+    from hpc.preempt.stop import AgreedStop
 
     try:  # first: the warning signal must not kill a rank that is still importing torch
         stop = AgreedStop()  # installs the guard
@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
         result = pretrain(cfg, stop_requested=stop.guard)  # agreed inside the loop
     except (HPCError, ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
-        from hpc.bootstrap.failure import note_failure
+        from hpc.watchdog.failure import note_failure
 
         note_failure(type(e).__name__)  # the exit aborts the process group
         return 1

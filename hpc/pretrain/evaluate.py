@@ -42,7 +42,7 @@ def recalibrate_bn(space: nn.Module, arch: Any, x: Tensor, chunk: int = 256,
     Every rank must pass the same number of images; the statistics (a cumulative
     average over the chunks) are then averaged across ranks with one all_reduce.
     ``reduce=False`` keeps them local (each rank recalibrating its own sub-network
-    from all the images, as :mod:`hpc.pretrain.search` does).
+    from all the images, as :mod:`hpc.search.search` does).
     """
     layers = batchnorms(space)
     momenta = [m.momentum for m in layers]

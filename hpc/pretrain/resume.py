@@ -12,7 +12,7 @@ its path; every rank then loads that file, so the run directory must be on a fil
 every node sees (as it is for any Slurm job writing to ``$HOME`` or a project space).
 
 The generic parts (atomic write, RNG gathering, agreeing on a file, the world-size
-refusal) are :mod:`hpc.submit.resume`'s, the ones a user's own script calls; this module
+refusal) are :mod:`hpc.checkpoint.resume`'s, the ones a user's own script calls; this module
 keeps only pretrain's layout (config, val_acc), its resume modes and ``--elastic``.
 """
 
@@ -31,8 +31,8 @@ import hpc
 from hpc.errors import CheckpointError
 from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
 from hpc.pretrain.space import derive_seed
-from hpc.submit.checkpoint import list_checkpoints, load_checkpoint, load_latest
-from hpc.submit.resume import (
+from hpc.checkpoint.files import list_checkpoints, load_checkpoint, load_latest
+from hpc.checkpoint.resume import (
     FORMAT,
     agree_on_checkpoint,
     check_world_size,

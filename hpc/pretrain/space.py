@@ -17,7 +17,7 @@ numbers: it needs no state in checkpoints and replays exactly after a resume.
 ``hpc search`` also needs ``choices() -> list[int]`` (candidates per position, for
 enumeration and mutation) and, for spaces other than :class:`Supernet`,
 ``subnet(arch) -> nn.Module`` (the standalone sub-network, see
-:mod:`hpc.pretrain.export`).
+:mod:`hpc.search.export`).
 
 Rules for a search space of your own: create every candidate in ``__init__`` (no lazy
 modules — every rank must hold the same parameter list); keep randomness in ``sample``

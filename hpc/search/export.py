@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
-from hpc.submit.checkpoint import save_atomic
+from hpc.checkpoint.files import save_atomic
 
 __all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from hpc.pretrain.evolution import pareto_front
+from hpc.search.evolution import pareto_front
 from hpc.pretrain.runlog import write_json
 
 __all__ = ["DETERMINISTIC", "plot_pareto", "write_outputs"]

@@ -1,7 +1,7 @@
 """Distributed architecture search over a pretrained supernet (``hpc search``).
 
 Every rank loads the same pretrain checkpoint. Each generation's candidates (the same
-list, in the same order, on every rank: :mod:`hpc.pretrain.evolution`) are dealt out
+list, in the same order, on every rank: :mod:`hpc.search.evolution`) are dealt out
 round-robin; a rank scores its share *alone* — the pretrain's validation on the whole
 validation set, after recalibrating the candidate's BatchNorm statistics from the same
 fixed training images — and one ``all_gather_object`` brings every score to every
@@ -10,7 +10,7 @@ whichever rank runs it, so the search takes the same path and returns the same b
 sub-network for any number of ranks.
 
 Constraints: parameters are counted exactly on the standalone sub-network
-(:func:`hpc.pretrain.export.extract`). Latency (3 warm-ups, median of
+(:func:`hpc.search.export.extract`). Latency (3 warm-ups, median of
 ``latency_repeats``, cached per sub-network) is measured on rank 0's device only when
 ``max_latency_ms`` is set — broadcast before the candidate is admitted, so every rank
 takes the same decisions; latency varies between runs, so with a latency limit the
@@ -39,13 +39,13 @@ import hpc
 from hpc.errors import CheckpointError
 from hpc.pretrain.data import PretrainData
 from hpc.pretrain.evaluate import validate
-from hpc.pretrain.evolution import Arch, enumerate_archs, propose, rank_key, space_size
-from hpc.pretrain.export import count_params, extract
+from hpc.search.evolution import Arch, enumerate_archs, propose, rank_key, space_size
+from hpc.search.export import count_params, extract
 from hpc.pretrain.resume import set_determinism
-from hpc.pretrain.search_config import SEARCH_EXACTNESS_FIELDS, SearchConfig
-from hpc.pretrain.trained import LoadedRun, load_run, measure_latency, recal_images
-from hpc.submit.checkpoint import checkpoint_path, load_latest, prune, save_atomic
-from hpc.submit.resume import all_ok, broadcast_object
+from hpc.search.config import SEARCH_EXACTNESS_FIELDS, SearchConfig
+from hpc.search.trained import LoadedRun, load_run, measure_latency, recal_images
+from hpc.checkpoint.files import checkpoint_path, load_latest, prune, save_atomic
+from hpc.checkpoint.resume import all_ok, broadcast_object
 
 __all__ = ["SearchResult", "search"]
 
@@ -346,7 +346,7 @@ def search(config: Optional[SearchConfig] = None, space: Optional[nn.Module] = N
             checkpoint cannot be resumed with these settings.
         ValueError: invalid settings, or no sub-network satisfies the constraints.
     """
-    from hpc.pretrain.report import write_outputs
+    from hpc.search.report import write_outputs
 
     cfg = config or SearchConfig()
     cfg.validate()

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from hpc.pretrain._stage_cli import add_fields, run_stage
-from hpc.pretrain.search_config import SearchConfig
+from hpc.cli.stage import add_fields, run_stage
+from hpc.search.config import SearchConfig
 
 __all__ = ["add_parser", "main"]
 
@@ -60,7 +60,7 @@ def _build(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc search`` with parsed ``args``; return the exit status."""
-    from hpc.pretrain.search import search
+    from hpc.search.search import search
 
     return run_stage("search", SearchConfig, args, search, "search.log",
                      lambda result, cfg: (result.generations, cfg.max_generations,
@@ -77,7 +77,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hpc.pretrain.search_cli ARGS``: the same as ``hpc search ARGS``."""
+    """``python -m hpc.search.search_cli ARGS``: the same as ``hpc search ARGS``."""
     from hpc.cli.main import run_subcommand
 
     return run_subcommand(add_parser, argv)

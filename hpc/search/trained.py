@@ -24,8 +24,8 @@ from hpc.errors import CheckpointError
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, load_data
 from hpc.pretrain.space import VAL_STREAM, Supernet, derive_seed
-from hpc.submit.checkpoint import load_checkpoint, load_latest
-from hpc.submit.resume import broadcast_object
+from hpc.checkpoint.files import load_checkpoint, load_latest
+from hpc.checkpoint.resume import broadcast_object
 
 __all__ = ["LoadedRun", "load_run", "measure_latency", "recal_images"]
 
@@ -80,7 +80,7 @@ def load_run(run: str, checkpoint: Optional[str] = None,
         if saved.get("space", "Supernet") != "Supernet":
             raise ValueError(
                 f"{run_dir} trained a {saved['space']}, not the default Supernet.\n"
-                "HINT: call hpc.pretrain.search.search(cfg, space=YourSpace()) from "
+                "HINT: call hpc.search.search.search(cfg, space=YourSpace()) from "
                 "Python with the same space.")
         space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
     space.load_state_dict(payload["model"])

@@ -10,11 +10,11 @@ built for, with gradient all-reduce overlapped with the backward pass.
 
 Flow, on every rank: read ``SEARCH/search.json``, load the supernet at the checkpoint
 the search used, recalibrate the winner's BatchNorm statistics with the search's fixed
-images, :func:`~hpc.pretrain.export.extract` it (so before fine-tuning it scores what
+images, :func:`~hpc.search.export.extract` it (so before fine-tuning it scores what
 the search measured), wrap it in DDP and train with SGD and a per-step cosine schedule
 on the pretrain run's data. Checkpoints, resume and the warning signal follow pretrain's
 rules (:mod:`hpc.pretrain.resume`). The master writes ``OUT/tune.json``, ``metrics.csv``,
-``metrics.png`` and ``model.pt`` (:func:`hpc.pretrain.export.load_model` reads it).
+``metrics.png`` and ``model.pt`` (:func:`hpc.search.export.load_model` reads it).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import hpc
 from hpc.pretrain import resume as resume_mod
 from hpc.pretrain.data import epoch_batches, steps_per_epoch, val_shard
 from hpc.pretrain.evaluate import recalibrate_bn
-from hpc.pretrain.export import SubNet, count_params, extract, save_model
+from hpc.search.export import SubNet, count_params, extract, save_model
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
-from hpc.pretrain.search_config import TuneConfig
+from hpc.search.config import TuneConfig
 from hpc.pretrain.space import derive_seed
-from hpc.pretrain.trained import LoadedRun, load_run, recal_images
+from hpc.search.trained import LoadedRun, load_run, recal_images
 
 __all__ = ["TuneResult", "evaluate_model", "tune"]
 
@@ -249,7 +249,7 @@ def tune(config: Optional[TuneConfig] = None, *,
     """Fine-tune the best sub-network of a search with DDP, on every rank (collective).
 
     Args:
-        config: The settings (default :class:`~hpc.pretrain.search_config.TuneConfig`).
+        config: The settings (default :class:`~hpc.search.config.TuneConfig`).
         stop_requested: Polled once per step on every rank; True on any rank stops every
             rank after that step with a checkpoint (``status="stopped"``).
 

@@ -3,7 +3,7 @@
 Reads ``SEARCH/search.json``, exports the best sub-network from the supernet checkpoint
 the search used (only the chosen operations, BatchNorm recalibrated) and fine-tunes it
 with DistributedDataParallel. Writes ``OUT/tune.json``, ``metrics.csv``/``.png``,
-``model.pt`` (loads without the supernet: ``hpc.pretrain.export.load_model``) and
+``model.pt`` (loads without the supernet: ``hpc.search.export.load_model``) and
 checkpoints; a rerun resumes, the warning signal stops and requeues as in
 ``hpc pretrain``. ``--from-scratch`` trains the same architecture from a fresh
 initialisation (the baseline). Exit status as ``hpc pretrain``.
@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from hpc.pretrain._stage_cli import add_fields, run_stage
-from hpc.pretrain.search_config import TuneConfig
+from hpc.cli.stage import add_fields, run_stage
+from hpc.search.config import TuneConfig
 
 __all__ = ["add_parser", "main"]
 
@@ -63,7 +63,7 @@ def _build(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc tune`` with parsed ``args``; return the exit status."""
-    from hpc.pretrain.tune import tune
+    from hpc.search.tune import tune
 
     return run_stage("tune", TuneConfig, args, tune, "tune.log",
                      lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint))
@@ -79,7 +79,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hpc.pretrain.tune_cli ARGS``: the same as ``hpc tune ARGS``."""
+    """``python -m hpc.search.tune_cli ARGS``: the same as ``hpc tune ARGS``."""
     from hpc.cli.main import run_subcommand
 
     return run_subcommand(add_parser, argv)

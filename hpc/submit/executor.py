@@ -18,7 +18,7 @@ Shell::
 One task per GPU (``--gpus-per-node``); with ``--gpus-per-node 0`` give
 ``--tasks-per-node``. Jobs get the warning signal ``--signal`` (default USR2)
 ``--signal-delay`` seconds before the time limit, ``--requeue``, append-mode logs and
-``srun --kill-on-bad-exit=1``; see :mod:`hpc.submit.preempt` for the stop/requeue flow and
+``srun --kill-on-bad-exit=1``; see :mod:`hpc.preempt.requeue` for the stop/requeue flow and
 ``docs/submit.md`` for the whole story.
 """
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.errors import SubmitError
 from hpc.submit.options import SubmitOptions, parse_sbatch
-from hpc.submit.preempt import parse_signal
+from hpc.preempt.requeue import parse_signal
 
 if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from hpc.errors import SubmitError
-from hpc.submit.preempt import (
+from hpc.preempt.requeue import (
     DEFAULT_MAX_REQUEUES,
     DEFAULT_SIGNAL,
     VALID_SIGNALS,

@@ -9,7 +9,7 @@ All callables are ``submitit.helpers.Checkpointable``: their ``checkpoint()`` re
 the resubmission that resumes (``None`` once the requeue budget ``HPC_MAX_REQUEUES`` is
 used up, which makes submitit give up instead of requeueing).
 
-- :class:`PretrainJob` does the agreed stop itself (:mod:`hpc.submit.preempt`): its guard
+- :class:`PretrainJob` does the agreed stop itself (:mod:`hpc.preempt.requeue`): its guard
   replaces submitit's signal handler; after the checkpoint of the agreed step the master
   writes ``checkpoint()``'s resubmission over the job's submission pickle and runs
   ``scontrol requeue``; every rank then exits with 75, leaving no result, and the
@@ -38,7 +38,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
 from hpc.pretrain.config import PretrainConfig
-from hpc.submit.preempt import (
+from hpc.preempt.requeue import (
     EXIT_REQUEUED,
     PreemptGuard,
     close_before_failing_exit,

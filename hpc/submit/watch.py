@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
-from hpc.bootstrap import failure
+from hpc.watchdog import failure
 from hpc.errors import SubmitError
 
 __all__ = [
@@ -123,7 +123,7 @@ def _expand(tasks: str) -> list[int]:
 
 def first_by_marks(marks: str | Path | None, failed: Sequence[int] = ()) -> str | None:
     """``rank 1 on node2 (pid 42) at 12:00:01.234: <message>``: the rank whose failure
-    began first by the failure marks in ``marks`` (:func:`hpc.bootstrap.failure.first_failure`
+    began first by the failure marks in ``marks`` (:func:`hpc.watchdog.failure.first_failure`
     with ``failed``, the ranks srun reported in its order), or None when there is none.
 
     None too when srun's first failed rank left no mark: killed by a signal (SIGKILL, the

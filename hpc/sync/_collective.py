@@ -131,14 +131,14 @@ class _Pairwise:
     """
 
     def __init__(self, name: str, group: Optional[Any], works: list[Any]) -> None:
-        from hpc.bootstrap import tracker
+        from hpc.watchdog import tracker
 
         world = group is None or group is dist.group.WORLD
         self._name, self._works = name, works
         self._seq = tracker.begin(name) if world else None
 
     def wait(self) -> bool:
-        from hpc.bootstrap import tracker
+        from hpc.watchdog import tracker
 
         try:
             for work in self._works:

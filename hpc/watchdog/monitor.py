@@ -1,7 +1,7 @@
 """After init: name the stuck rank, and end the whole job when one rank fails.
 
 :func:`start` (called by :func:`hpc.init_torch` on every rank of a job with more than
-one) counts the world collectives (:mod:`hpc.bootstrap.tracker`) and starts one daemon
+one) counts the world collectives (:mod:`hpc.watchdog.tracker`) and starts one daemon
 thread per rank. Through the pre-flight store it:
 
 * publishes this rank's progress (last collective's sequence number and op) when it
@@ -45,7 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hpc.bootstrap import failure, report, tracker
+from hpc.watchdog import failure, report, tracker
 from hpc.environments import DistInfo
 from hpc.errors import CollectiveError
 

@@ -1,7 +1,7 @@
 """The stuck-rank report: which ranks never entered the collective the others wait in.
 
 Pure functions over what every rank contributed through the pre-flight store (see
-:mod:`hpc.bootstrap.watchdog`): its collective progress (:class:`~hpc.bootstrap.tracker.Progress`),
+:mod:`hpc.watchdog.monitor`): its collective progress (:class:`~hpc.watchdog.tracker.Progress`),
 host and pid, and, when its watchdog answered, where its main thread is and its stack.
 """
 

@@ -4,7 +4,7 @@
 ``dist.broadcast``, ``dist.barrier``, ...) so that every call on the default group
 counts: the n-th world collective of a rank is ``#n`` on every rank, because ranks call
 them in the same order. The :class:`Progress` it fills is what the watchdog publishes
-(:mod:`hpc.bootstrap.watchdog`): a rank whose ``entered`` is behind its peers' never
+(:mod:`hpc.watchdog.monitor`): a rank whose ``entered`` is behind its peers' never
 entered the collective they wait in.
 
 Only calls made through the ``torch.distributed`` module after ``init_torch`` are seen

@@ -1,4 +1,4 @@
-"""Step hooks the cluster tests install through ``HPC_STEP_HOOK`` (see hpc.submit.preempt).
+"""Step hooks the cluster tests install through ``HPC_STEP_HOOK`` (see hpc.preempt.requeue).
 
 ``HPC_STEP_HOOK=tests.integration.step_hooks:sleep`` sleeps ``HPC_TEST_STEP_SLEEP`` seconds
 at every poll of the job's ``PreemptGuard`` (once per step), in the first

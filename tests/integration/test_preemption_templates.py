@@ -8,7 +8,7 @@ steps, SIGKILL after GraceTime), once per template, with ``hpc pretrain`` as pay
   with it, which each worker's PreemptGuard turns into the agreed stop;
 * mpirun (Open MPI): the ``orted`` step gets it, and would end the MPI job at once;
   the template starts ``mpirun`` and ``orted`` with SIGTERM blocked
-  (``python -m hpc.submit.shield``), so only the ranks act on it.
+  (``python -m hpc.preempt.shield``), so only the ranks act on it.
 
 Each job must be requeued exactly once (history REQUEUED, COMPLETED), resume, and end
 bitwise equal to an uninterrupted run (the reference of ``slurm/pretrain.sbatch``, 4 ranks

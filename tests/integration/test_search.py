@@ -110,8 +110,8 @@ def test_stop_mid_search_and_resume_equals_uninterrupted(run_dir: Path, tmp_path
 
 @pytest.mark.timeout(300)
 def test_constraints_are_never_violated(run_dir: Path, tmp_path: Path) -> None:
-    from hpc.pretrain.evolution import enumerate_archs
-    from hpc.pretrain.export import SubNet, count_params
+    from hpc.search.evolution import enumerate_archs
+    from hpc.search.export import SubNet, count_params
 
     limit = 8000
     archs = enumerate_archs([4] * 4)
@@ -144,8 +144,8 @@ def test_constraints_are_never_violated(run_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_tune_exports_the_winner_and_resumes_exactly(searched: dict[int, Path],
                                                      tmp_path: Path) -> None:
-    from hpc.pretrain.export import load_model
-    from hpc.pretrain.trained import load_run
+    from hpc.search.export import load_model
+    from hpc.search.trained import load_run
 
     search_dir = str(searched[2])
     whole = tmp_path / "whole"

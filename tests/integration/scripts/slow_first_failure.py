@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from hpc.bootstrap import failure
+from hpc.watchdog import failure
 
 rank = int(os.environ["RANK"])
 if rank == 1:

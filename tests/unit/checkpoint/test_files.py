@@ -13,7 +13,7 @@ np = pytest.importorskip("numpy")
 
 from hpc.errors import CheckpointError  # noqa: E402
 from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
-from hpc.submit.checkpoint import (  # noqa: E402
+from hpc.checkpoint.files import (  # noqa: E402
     capture_rng,
     checkpoint_path,
     list_checkpoints,

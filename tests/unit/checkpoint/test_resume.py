@@ -18,8 +18,8 @@ from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
 
 import hpc  # noqa: E402
 from hpc.errors import CheckpointError  # noqa: E402
-from hpc.submit.checkpoint import list_checkpoints, load_checkpoint, save_atomic  # noqa: E402
-from hpc.submit.preempt import PreemptGuard  # noqa: E402
+from hpc.checkpoint.files import list_checkpoints, load_checkpoint, save_atomic  # noqa: E402
+from hpc.preempt.requeue import PreemptGuard  # noqa: E402
 
 
 def objects(seed: int = 0) -> dict:

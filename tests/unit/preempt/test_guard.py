@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.submit import guard
+from hpc.preempt import guard
 
 
 def test_stop_file_requests_the_stop_and_names_the_signal(tmp_path: Path,
@@ -42,13 +42,13 @@ def test_no_stop_file_configured_never_looks(tmp_path: Path) -> None:
 
 
 def test_install_unblocks_a_pending_sigterm() -> None:
-    """Under ``hpc.submit.shield`` SIGTERM is blocked; the guard gets it once installed."""
+    """Under ``hpc.preempt.shield`` SIGTERM is blocked; the guard gets it once installed."""
     code = ("import os, signal\n"
-            "from hpc.submit.guard import PreemptGuard\n"
+            "from hpc.preempt.guard import PreemptGuard\n"
             "os.kill(os.getpid(), signal.SIGTERM)  # blocked: stays pending\n"
             "g = PreemptGuard(environ={}).install()\n"
             "print(g(), g.signal_name)\n")
-    proc = subprocess.run([sys.executable, "-m", "hpc.submit.shield", sys.executable, "-c", code],
+    proc = subprocess.run([sys.executable, "-m", "hpc.preempt.shield", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "SIGTERM"]
@@ -56,10 +56,10 @@ def test_install_unblocks_a_pending_sigterm() -> None:
 
 
 def test_shield_without_a_command_says_how() -> None:
-    proc = subprocess.run([sys.executable, "-m", "hpc.submit.shield"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "hpc.preempt.shield"], capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 2 and "usage: python -m hpc.submit.shield CMD" in proc.stderr
-    missing = subprocess.run([sys.executable, "-m", "hpc.submit.shield", "no-such-launcher"],
+    assert proc.returncode == 2 and "usage: python -m hpc.preempt.shield CMD" in proc.stderr
+    missing = subprocess.run([sys.executable, "-m", "hpc.preempt.shield", "no-such-launcher"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 127 and "cannot run 'no-such-launcher'" in missing.stderr
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

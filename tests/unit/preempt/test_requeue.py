@@ -1,4 +1,4 @@
-"""hpc.submit.preempt: warning signal -> stop request -> requeue decision, without a job.
+"""hpc.preempt.requeue: warning signal -> stop request -> requeue decision, without a job.
 
 Real signals are sent to this process; ``scontrol`` is used where installed.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc.errors import SubmitError
-from hpc.submit import preempt
+from hpc.preempt import requeue as preempt
 
 
 @pytest.mark.parametrize("name", ["USR2", "SIGUSR2", "usr2", str(int(signal.SIGUSR2))])

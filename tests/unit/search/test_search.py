@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,15 +11,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpc.pretrain.evaluate import recalibrate_bn  # noqa: E402
-from hpc.pretrain.evolution import (  # noqa: E402
+from hpc.search.evolution import (  # noqa: E402
     enumerate_archs,
     pareto_front,
     propose,
     rank_key,
     space_size,
 )
-from hpc.pretrain.export import SubNet, count_params, extract, load_model, save_model  # noqa: E402
-from hpc.pretrain.search_config import SearchConfig, TuneConfig  # noqa: E402
+from hpc.search.export import SubNet, count_params, extract, load_model, save_model  # noqa: E402
+from hpc.search.config import SearchConfig, TuneConfig  # noqa: E402
 from hpc.pretrain.space import Supernet  # noqa: E402
 
 
@@ -37,7 +38,7 @@ FIRST_PROPOSALS = [(1, 0, 1, 1), (0, 1, 3, 3), (1, 3, 3, 2), (1, 0, 0, 3), (2, 0
 def test_proposals_are_a_pure_function_of_seed_generation_and_history() -> None:
     net = Supernet(width=4)
     first = _propose(net, 0)
-    # Pinned: any process, any PYTHONHASHSEED (test_space checks other hash seeds).
+    # Pinned: any process, any PYTHONHASHSEED (the next test runs other hash seeds).
     assert first == FIRST_PROPOSALS
     assert len(first) == len(set(first)) == 8
     assert _propose(net, 1) != first  # the generation seeds the draws
@@ -48,6 +49,25 @@ def test_proposals_are_a_pure_function_of_seed_generation_and_history() -> None:
     # mutations/crossovers stay close to their parents: most choices are inherited
     inherited = sum(any(c[i] == p[i] for p in parents) for c in children for i in range(4))
     assert inherited >= 0.7 * len(children) * 4
+
+
+_PROBE = """
+from hpc.pretrain.space import Supernet
+from tests.unit.search.test_search import _propose
+print(_propose(Supernet(width=4), 0))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_proposals_do_not_depend_on_the_hash_seed() -> None:
+    """Ranks are separate processes with their own PYTHONHASHSEED: they must agree."""
+    from tests.helpers import ROOT, clean_env, run_group
+
+    for seed in ("1", "2"):
+        proc = run_group([sys.executable, "-c", _PROBE], timeout=100, cwd=ROOT,
+                         env=clean_env(PYTHONHASHSEED=seed, PYTHONPATH=str(ROOT)))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split("\n")[0] == str(FIRST_PROPOSALS), (seed, proc.stdout)
 
 
 def test_proposals_respect_feasible_and_stop_when_the_space_runs_dry() -> None:

@@ -45,7 +45,7 @@ def test_follow_prints_each_state_once_while_sacct_does_not_list_the_job_yet(
 
 def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) -> None:
     """srun lists rank 0 first (it exited first); rank 1's failure began earlier."""
-    from hpc.bootstrap import failure
+    from hpc.watchdog import failure
 
     log = tmp_path / "0.err"
     log.write_text("0: RuntimeError: peer gone\n"
@@ -71,7 +71,7 @@ def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) 
 
 
 def test_first_failure_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hpc.bootstrap import failure
+    from hpc.watchdog import failure
     from hpc.cli import failures
 
     assert failures.main([str(tmp_path)]) == 1

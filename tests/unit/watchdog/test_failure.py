@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpc.bootstrap import failure
-from hpc.bootstrap.failure import read_mark
+from hpc.watchdog import failure
+from hpc.watchdog.failure import read_mark
 from tests.helpers import ROOT
 
 _ABORT = """
 import os, sys
-from hpc.bootstrap import failure
+from hpc.watchdog import failure
 failure.install(3, {"HPC_ERROR_DIR": sys.argv[1]})
 os.abort()   # what the NCCL watchdog does on a collective timeout
 """
@@ -39,7 +39,7 @@ def test_sigabrt_leaves_a_mark(tmp_path: Path) -> None:
 
 
 def test_a_rank_that_did_not_fail_has_no_mark(tmp_path: Path) -> None:
-    proc = _python("from hpc.bootstrap import failure\nimport sys\n"
+    proc = _python("from hpc.watchdog import failure\nimport sys\n"
                    "failure.install(0, {'HPC_ERROR_DIR': sys.argv[1]})\n", str(tmp_path))
     assert proc.returncode == 0, proc
     # a clean exit writes the (generic) json mark the launcher reads for failed ranks
@@ -49,7 +49,7 @@ def test_a_rank_that_did_not_fail_has_no_mark(tmp_path: Path) -> None:
 
 
 def test_failed_notes_uncaught_exceptions_and_entry_points() -> None:
-    code = ("from hpc.bootstrap import failure\nimport atexit\nfailure.watch()\n"
+    code = ("from hpc.watchdog import failure\nimport atexit\nfailure.watch()\n"
             "atexit.register(lambda: print('FAILED', failure.failed()))\n")
     assert "FAILED False" in _python(code).stdout
     assert "FAILED True" in _python(code + "raise SystemError('x')\n").stdout

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from hpc.bootstrap import failure, report, tracker, watchdog
+from hpc.watchdog import failure, report, tracker
+from hpc.watchdog import monitor as watchdog
 from hpc.environments import DistInfo
 
 
@@ -71,7 +72,7 @@ def test_main_stack_is_the_main_threads(tmp_path: Any) -> None:
     t = threading.Thread(target=lambda: seen.append(report.where(report.main_stack())))
     t.start()
     t.join()
-    assert seen and seen[0].startswith("test_watchdog.py:"), seen
+    assert seen and seen[0].startswith("test_monitor.py:"), seen
 
 
 def test_main_thread_stack_picks_the_main_block() -> None:

@@ -1,0 +1,23 @@
+"""Checkpoints for any training script: the collective save and restore, their files.
+
+* :mod:`hpc.checkpoint.resume` — :func:`save_checkpoint` / :func:`restore_checkpoint`
+  (all ranks call, the global master writes; another world size is refused);
+* :mod:`hpc.checkpoint.files` — the files: atomic write with a ``.sha256`` sidecar,
+  keep-last-K, verified ``weights_only`` load with fallback, RNG states (no collectives);
+* :mod:`hpc.checkpoint.sampler` — :class:`ResumableSampler`, a mid-epoch resumable
+  ``DistributedSampler``.
+
+Served lazily: importing :mod:`hpc.checkpoint` does not import torch.
+"""
+
+from __future__ import annotations
+
+from hpc._lazy import lazy_attributes
+
+__all__ = ["Restored", "ResumableSampler", "restore_checkpoint", "save_checkpoint"]
+
+_LAZY = {"save_checkpoint": "hpc.checkpoint.resume",
+         "restore_checkpoint": "hpc.checkpoint.resume", "Restored": "hpc.checkpoint.resume",
+         "ResumableSampler": "hpc.checkpoint.sampler"}
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
