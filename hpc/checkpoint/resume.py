@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc.errors import CheckpointError
 from hpc.checkpoint.files import (
     capture_rng,
     checkpoint_path,
@@ -43,9 +42,11 @@ from hpc.checkpoint.files import (
     restore_rng,
     save_atomic,
 )
+from hpc.errors import CheckpointError
+from hpc.sync.agree import all_true, broadcast_object, world
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
-           "check_world_size", "load_states", "gather_rng", "broadcast_object", "all_ok",
+           "check_world_size", "load_states", "gather_rng",
            "FORMAT"]
 
 logger = logging.getLogger(__name__)
@@ -60,38 +61,12 @@ PathLike = Union[str, Path]
 Chooser = Callable[[], "tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]"]
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank (identity without a process group)."""
-    if _rank_world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def all_ok(ok: bool, device: Optional[torch.device] = None) -> bool:
-    """True on every rank when ``ok`` is true on every rank (one tiny all_reduce)."""
-    if _rank_world()[1] == 1:
-        return ok
-    from hpc.sync._collective import comm_device
-
-    flag = torch.tensor([1 if ok else 0], device=device or comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def gather_rng() -> Optional[list[Any]]:
     """Every rank's RNG states (:func:`capture_rng`) on rank 0, ``None`` elsewhere."""
-    rank, world = _rank_world()
-    if world == 1:
+    rank, size = world()
+    if size == 1:
         return [capture_rng()]
-    states: Optional[list[Any]] = [None] * world if rank == 0 else None
+    states: Optional[list[Any]] = [None] * size if rank == 0 else None
     dist.gather_object(capture_rng(), states, dst=0)
     return states
 
@@ -135,13 +110,13 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
         raise ValueError(f"save_checkpoint: extra keys {clash} are reserved ({RESERVED})"
                          if clash else f"save_checkpoint: keep={keep} is negative.\n"
                          "HINT: keep=0 keeps every checkpoint.")
-    rank, world = _rank_world()
+    rank, size = world()
     states = gather_rng()
     path = checkpoint_path(directory, step)
     error = None
     if rank == 0:
         payload = {**(extra or {}), "format": FORMAT, "step": int(step),
-                   "epoch": int(epoch), "batch": int(batch), "world_size": world,
+                   "epoch": int(epoch), "batch": int(batch), "world_size": size,
                    "model": _unwrap(model).state_dict(), "rng": states}
         if optimizer is not None:
             payload["optimizer"] = optimizer.state_dict()
@@ -205,7 +180,7 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
     """
     from hpc.checkpoint.files import load_checkpoint
 
-    rank, _ = _rank_world()
+    rank, _ = world()
     path, error, payload = choose() if rank == 0 else (None, None, None)
     path, error = broadcast_object((path, error))
     if error is not None:
@@ -218,7 +193,7 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
             payload = load_checkpoint(path)
         except CheckpointError as e:
             failure = e
-    if not all_ok(failure is None) or payload is None:
+    if not all_true(failure is None) or payload is None:
         raise CheckpointError(
             f"rank {rank} could not use checkpoint {path} chosen by rank 0"
             + (f": {str(failure).splitlines()[0]}" if failure else " (another rank failed)")
@@ -260,7 +235,7 @@ def load_states(payload: dict[str, Any], *, model: nn.Module,
                                       f"pass {name}= to save_checkpoint too, or not here.")
             obj.load_state_dict(payload[name])
     if rng:
-        restore_rng(payload["rng"][_rank_world()[0]])
+        restore_rng(payload["rng"][world()[0]])
 
 
 def restore_checkpoint(directory: PathLike, *, model: nn.Module,
@@ -299,18 +274,18 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
     path, payload = agree_on_checkpoint(choose)
     if path is None or payload is None:
         return None
-    rank, world = _rank_world()
-    same = check_world_size(payload, path, world, allow_world_change,
+    rank, size = world()
+    same = check_world_size(payload, path, size, allow_world_change,
                             "pass allow_world_change=True")
     load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler, rng=same)
     epoch, batch = int(payload["epoch"]), int(payload["batch"])
     saved_world = int(payload["world_size"])
     if not same:
-        batch = batch * saved_world // world
+        batch = batch * saved_world // size
         if rank == 0:
             logger.warning("world size changed %d -> %d: resuming from %s NOT exactly "
                            "(RNG not restored; epoch %d continues at batch %d)",
-                           saved_world, world, path, epoch, batch)
+                           saved_world, size, path, epoch, batch)
     if sampler is not None:
         from hpc.checkpoint.sampler import position_sampler
 

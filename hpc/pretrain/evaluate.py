@@ -21,11 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hpc.sync.agree import world
+
 __all__ = ["validate", "recalibrate_bn", "batchnorms"]
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -56,11 +54,11 @@ def recalibrate_bn(space: nn.Module, arch: Any, x: Tensor, chunk: int = 256,
     finally:
         for m, momentum in zip(layers, momenta):
             m.momentum = momentum
-    if reduce and _world() > 1 and layers:
+    if reduce and world()[1] > 1 and layers:
         stats = [t for m in layers for t in (m.running_mean, m.running_var)]
         flat = torch.cat([t.reshape(-1) for t in stats])
         dist.all_reduce(flat)
-        flat /= _world()
+        flat /= world()[1]
         off = 0
         for t in stats:
             t.copy_(flat[off:off + t.numel()].view_as(t))
@@ -100,7 +98,7 @@ def validate(space: nn.Module, x: Tensor, y: Tensor, archs: Sequence[Any],
         for m, state in zip(layers, saved):
             m.load_state_dict(state)
         space.train()
-    if reduce and _world() > 1:
+    if reduce and world()[1] > 1:
         dist.all_reduce(sums)
     total = sums[:, 2].clamp(min=1)
     return (sums[:, 0] / total).tolist(), (sums[:, 1] / total).tolist()

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from hpc.errors import ModelMismatchError
+from hpc.sync.agree import gather_objects, world
 
 __all__ = ["StepReducer", "StepStats", "model_digest", "check_identical"]
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass
@@ -67,7 +63,7 @@ class StepReducer:
         self._n_float = len(floats)
         self._sizes = [b.numel() for b in self.buffers]
         self.device = device
-        self.world = _world()
+        self.world = world()[1]
 
     @torch.no_grad()
     def __call__(self, loss_sum: Tensor, correct: Tensor, count: int,
@@ -118,11 +114,7 @@ def check_identical(module: nn.Module, step: int) -> None:
     Raises:
         ModelMismatchError: the digests differ; the message lists each rank's.
     """
-    digest = model_digest(module)
-    if _world() == 1:
-        return
-    digests: list[Any] = [None] * _world()
-    dist.all_gather_object(digests, digest)
+    digests = gather_objects(model_digest(module))
     if len(set(digests)) > 1:
         table = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
         raise ModelMismatchError(

@@ -28,9 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
-from hpc.errors import CheckpointError
-from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
-from hpc.pretrain.space import derive_seed
 from hpc.checkpoint.files import list_checkpoints, load_checkpoint, load_latest
 from hpc.checkpoint.resume import (
     FORMAT,
@@ -39,6 +36,9 @@ from hpc.checkpoint.resume import (
     load_states,
     save_checkpoint,
 )
+from hpc.errors import CheckpointError
+from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
+from hpc.pretrain.space import derive_seed
 
 __all__ = ["Position", "restore", "save", "set_determinism", "FORMAT"]
 

@@ -20,8 +20,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
 from hpc.checkpoint.files import save_atomic
+from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
 
 __all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]
 

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from hpc.search.evolution import pareto_front
 from hpc.pretrain.runlog import write_json
+from hpc.search.evolution import pareto_front
 
 __all__ = ["DETERMINISTIC", "plot_pareto", "write_outputs"]
 

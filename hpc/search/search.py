@@ -36,16 +36,16 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
+from hpc.checkpoint.files import checkpoint_path, load_latest, prune, save_atomic
 from hpc.errors import CheckpointError
 from hpc.pretrain.data import PretrainData
 from hpc.pretrain.evaluate import validate
-from hpc.search.evolution import Arch, enumerate_archs, propose, rank_key, space_size
-from hpc.search.export import count_params, extract
 from hpc.pretrain.resume import set_determinism
 from hpc.search.config import SEARCH_EXACTNESS_FIELDS, SearchConfig
+from hpc.search.evolution import Arch, enumerate_archs, propose, rank_key, space_size
+from hpc.search.export import count_params, extract
 from hpc.search.trained import LoadedRun, load_run, measure_latency, recal_images
-from hpc.checkpoint.files import checkpoint_path, load_latest, prune, save_atomic
-from hpc.checkpoint.resume import all_ok, broadcast_object
+from hpc.sync.agree import any_true, broadcast_object
 
 __all__ = ["SearchResult", "search"]
 
@@ -310,7 +310,7 @@ def _run_generations(ctx: _Search, stop_requested: Optional[Callable[[], bool]])
             if done:
                 return "completed"
             local = bool(stop_requested()) if stop_requested is not None else False
-            if not all_ok(not local, hpc.device()):
+            if any_true(local):
                 logger.info("stopping after generation %d (stop requested)", ctx.generation)
                 return "stopped"
             if ctx.cfg.max_generations is not None and \

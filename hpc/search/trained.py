@@ -20,12 +20,12 @@ import torch
 from torch import Tensor, nn
 
 import hpc
+from hpc.checkpoint.files import load_checkpoint, load_latest
 from hpc.errors import CheckpointError
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, load_data
 from hpc.pretrain.space import VAL_STREAM, Supernet, derive_seed
-from hpc.checkpoint.files import load_checkpoint, load_latest
-from hpc.checkpoint.resume import broadcast_object
+from hpc.sync.agree import broadcast_object
 
 __all__ = ["LoadedRun", "load_run", "measure_latency", "recal_images"]
 

@@ -37,11 +37,12 @@ import hpc
 from hpc.pretrain import resume as resume_mod
 from hpc.pretrain.data import epoch_batches, steps_per_epoch, val_shard
 from hpc.pretrain.evaluate import recalibrate_bn
-from hpc.search.export import SubNet, count_params, extract, save_model
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
-from hpc.search.config import TuneConfig
 from hpc.pretrain.space import derive_seed
+from hpc.search.config import TuneConfig
+from hpc.search.export import SubNet, count_params, extract, save_model
 from hpc.search.trained import LoadedRun, load_run, recal_images
+from hpc.sync.agree import world
 
 __all__ = ["TuneResult", "evaluate_model", "tune"]
 
@@ -87,9 +88,8 @@ class TuneResult:
 def evaluate_model(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024
                    ) -> tuple[float, float]:
     """(loss, accuracy) of ``net`` on ``(x, y)``, each rank scoring its shard, reduced."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    idx = val_shard(int(x.shape[0]), world, rank).to(x.device)
+    rank, size = world()
+    idx = val_shard(int(x.shape[0]), size, rank).to(x.device)
     xs, ys = x[idx], y[idx]
     sums = torch.zeros(3, dtype=torch.float64, device=x.device)
     was_training = net.training
@@ -102,7 +102,7 @@ def evaluate_model(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024
                              torch.tensor(float(yb.numel()), dtype=torch.float64,
                                           device=x.device)])
     net.train(was_training)
-    if world > 1:
+    if size > 1:
         dist.all_reduce(sums)
     total = max(float(sums[2]), 1.0)
     return float(sums[0]) / total, float(sums[1]) / total

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
-from hpc.watchdog import failure
 from hpc.errors import SubmitError
+from hpc.watchdog import failure
 
 __all__ = [
     "Run",

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from hpc.errors import HPCError
 from hpc.sync._collective import comm_device, start_max
+from hpc.sync.agree import all_true, max_ints
 
 __all__ = ["ShmLane", "open_lane", "lane_wanted", "half_bytes", "SHM_DIR", "ENV"]
 
@@ -128,18 +129,11 @@ def _stamp(token: int, rank: int) -> torch.Tensor:
     return torch.tensor([token, rank, 0x48504353484D], dtype=torch.int64)
 
 
-def _all_true(flag: bool, group: Optional[Any]) -> bool:
-    """True on every rank when ``flag`` is true on every rank (a MAX of "not flag")."""
-    t = torch.tensor([0 if flag else 1], dtype=torch.int64)
-    return int(start_max(t, group).wait()[0]) == 0
-
-
 def _agree(want: bool, group: Optional[Any]) -> tuple[bool, int]:
     """(every rank wants the lane, rank 0's token): one MAX over the ranks."""
     token = int.from_bytes(os.urandom(7), "little") if dist.get_rank(group) == 0 else 0
-    t = torch.tensor([0 if want else 1, token], dtype=torch.int64)
-    agreed = start_max(t, group).wait()
-    return int(agreed[0]) == 0, int(agreed[1])
+    refused, token = max_ints([0 if want else 1, token], group)
+    return refused == 0, token
 
 
 def _create(path: str, size: int) -> Optional[str]:
@@ -226,12 +220,12 @@ def _open(half: int, group: Optional[Any], want: bool) -> tuple[Optional[ShmLane
         mine = torch.from_file(paths[rank], shared=True, size=size, dtype=torch.uint8)
         mine[:24].view(torch.int64).copy_(_stamp(token, rank))
         del mine
-    if not _all_true(why is None, group):
+    if not all_true(why is None, group):
         if why is None:
             os.unlink(paths[rank])
         return None, why or "another rank could not create its region"
     regions, why = _map_all(paths, size, token)
-    ok = _all_true(why is None, group)  # every rank has mapped (or failed) by now
+    ok = all_true(why is None, group)  # every rank has mapped (or failed) by now
     os.unlink(paths[rank])
     if not ok:
         return None, why or "another rank cannot see every region (other hosts?)"

@@ -45,9 +45,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hpc.watchdog import failure, report, tracker
 from hpc.environments import DistInfo
 from hpc.errors import CollectiveError
+from hpc.watchdog import failure, report, tracker
 
 __all__ = ["DEFAULT_HANG_TIMEOUT", "EXIT_CODE", "EXIT_GRACE", "Watchdog",
            "flight_recorder_env", "start", "stop"]

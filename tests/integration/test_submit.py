@@ -40,11 +40,11 @@ except ImportError:  # pragma: no cover - submitit is in the test extra
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
+from hpc.checkpoint.files import load_latest  # noqa: E402
 from hpc.errors import SubmitError  # noqa: E402
 from hpc.pretrain import PretrainConfig  # noqa: E402
 from hpc.submit import SubmittedJob, submit  # noqa: E402
 from hpc.submit import watch as jobwatch  # noqa: E402
-from hpc.checkpoint.files import load_latest  # noqa: E402
 
 STEPS = 22  # 2 epochs x (1437 // (4 ranks x 32)) steps
 TINY = dict(epochs=2, batch_size=32, width=8, val_archs=2, recal_samples=64, ckpt_every=3,

@@ -11,8 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from hpc.errors import CheckpointError  # noqa: E402
-from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
 from hpc.checkpoint.files import (  # noqa: E402
     capture_rng,
     checkpoint_path,
@@ -23,6 +21,8 @@ from hpc.checkpoint.files import (  # noqa: E402
     restore_rng,
     save_atomic,
 )
+from hpc.errors import CheckpointError  # noqa: E402
+from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
 
 
 def payload(step: int) -> dict:

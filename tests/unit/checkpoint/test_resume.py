@@ -17,9 +17,9 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
 
 import hpc  # noqa: E402
-from hpc.errors import CheckpointError  # noqa: E402
 from hpc.checkpoint.files import list_checkpoints, load_checkpoint, save_atomic  # noqa: E402
-from hpc.preempt.requeue import PreemptGuard  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
+from hpc.preempt.guard import PreemptGuard  # noqa: E402
 
 
 def objects(seed: int = 0) -> dict:

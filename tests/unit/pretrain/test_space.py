@@ -20,7 +20,6 @@ from hpc.pretrain.space import (  # noqa: E402
     derive_seed,
 )
 
-
 #: Pinned values (torch 2.13's CPU generator): the same in every process, whatever its
 #: PYTHONHASHSEED (see test_draws_do_not_depend_on_the_hash_seed).
 DERIVED_0_1_2 = 4529435921577843265

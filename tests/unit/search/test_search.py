@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpc.pretrain.evaluate import recalibrate_bn  # noqa: E402
+from hpc.pretrain.space import Supernet  # noqa: E402
+from hpc.search.config import SearchConfig, TuneConfig  # noqa: E402
 from hpc.search.evolution import (  # noqa: E402
     enumerate_archs,
     pareto_front,
@@ -19,8 +21,6 @@ from hpc.search.evolution import (  # noqa: E402
     space_size,
 )
 from hpc.search.export import SubNet, count_params, extract, load_model, save_model  # noqa: E402
-from hpc.search.config import SearchConfig, TuneConfig  # noqa: E402
-from hpc.pretrain.space import Supernet  # noqa: E402
 
 
 def _propose(net: Supernet, generation: int, parents=(), seen=(), feasible=lambda a: True,

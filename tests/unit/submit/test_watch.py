@@ -71,8 +71,8 @@ def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) 
 
 
 def test_first_failure_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hpc.watchdog import failure
     from hpc.cli import failures
+    from hpc.watchdog import failure
 
     assert failures.main([str(tmp_path)]) == 1
     assert "no failure marks in" in capsys.readouterr().err

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from hpc.environments import DistInfo
 from hpc.watchdog import failure, report, tracker
 from hpc.watchdog import monitor as watchdog
-from hpc.environments import DistInfo
 
 
 def _entry(entered: int, completed: int, *, host: str = "node1", pid: int = 10,
