@@ -14,6 +14,7 @@ __all__ = [
     "RendezvousError",
     "ModelMismatchError",
     "CheckpointError",
+    "PreemptError",
     "SubmitError",
     "CollectiveError",
 ]
@@ -45,6 +46,10 @@ class ModelMismatchError(HPCError):
 
 class CheckpointError(HPCError):
     """A checkpoint is missing, truncated or corrupt."""
+
+
+class PreemptError(HPCError, ValueError):
+    """A preemption setting is malformed (signal, requeue budget, step hook), under any launcher."""
 
 
 class SubmitError(HPCError):

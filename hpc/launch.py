@@ -7,7 +7,7 @@ It never imports torch, so ranks start without waiting for it.
 
 Signals: the preemption signal (``USR2``, or ``HPC_PREEMPT_SIGNAL``), ``TERM`` and a
 first Ctrl-C are relayed to every rank as the preemption signal, so ``hpc pretrain`` and
-scripts with a :class:`hpc.preempt.requeue.PreemptGuard` stop at an agreed step with a
+scripts with a :class:`hpc.preempt.guard.PreemptGuard` stop at an agreed step with a
 checkpoint; a second ``TERM`` or Ctrl-C kills the ranks at once. Ranks run in sessions
 of their own (a terminal's Ctrl-C reaches ``hpc run`` only) and, on Linux, die with
 ``hpc run`` (``PR_SET_PDEATHSIG``) even when it is killed with ``SIGKILL``.
@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from hpc.watchdog.failure import GENERIC_MESSAGE, first_failure, read_mark
 from hpc.environments.base import free_port
+from hpc.watchdog.failure import GENERIC_MESSAGE, first_failure, read_mark
 
 __all__ = ["rank_env", "resolve_command", "run"]
 
@@ -175,7 +175,7 @@ def run(cmd: Sequence[str], nproc: int, *, prefix: bool = True,
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if not cmd:
         raise ValueError("no command given; usage: hpc run --nproc N -- CMD ...")
-    from hpc.preempt.requeue import parse_signal  # no torch: a signal name parser
+    from hpc.preempt.guard import parse_signal  # no torch: a signal name parser
 
     relay = parse_signal(os.environ.get("HPC_PREEMPT_SIGNAL") or "USR2")
     job = _Job(resolve_command(cmd), nproc, prefix, relay)

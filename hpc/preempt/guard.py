@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from hpc._lazy import resolve_callable
-from hpc.errors import SubmitError
+from hpc.errors import PreemptError
 
-__all__ = ["DEFAULT_SIGNAL", "STOP_FILE_POLL_S", "VALID_SIGNALS", "PreemptGuard",
+__all__ = ["DEFAULT_SIGNAL", "STOP_FILE_POLL_S", "VALID_SIGNALS", "PreemptGuard", "StopFlag",
            "load_step_hook", "parse_signal", "parse_signals", "preempt_signals"]
 
 DEFAULT_SIGNAL = "USR2"
@@ -36,7 +36,7 @@ def parse_signal(name: str) -> signal.Signals:
     """``USR2``, ``SIGUSR2``, ``usr2`` or ``12`` -> ``signal.SIGUSR2``.
 
     Raises:
-        SubmitError: the name is not one of :data:`VALID_SIGNALS` (listed in the message).
+        PreemptError: the name is not one of :data:`VALID_SIGNALS` (listed in the message).
     """
     text = str(name).strip().upper()
     short = text[3:] if text.startswith("SIG") else text
@@ -46,7 +46,7 @@ def parse_signal(name: str) -> signal.Signals:
         except ValueError:
             short = text
     if short not in VALID_SIGNALS:
-        raise SubmitError(
+        raise PreemptError(
             f"warning signal {name!r} is not supported.\n"
             "The job must be able to catch it, and Slurm uses STOP/CONT/KILL itself.\n"
             f"HINT: use one of: {', '.join(VALID_SIGNALS)} (default {DEFAULT_SIGNAL}; "
@@ -58,11 +58,11 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     """``"USR2,TERM"`` -> ``(SIGUSR2, SIGTERM)`` (duplicates dropped, order kept).
 
     Raises:
-        SubmitError: the list is empty or names a signal :func:`parse_signal` refuses.
+        PreemptError: the list is empty or names a signal :func:`parse_signal` refuses.
     """
     names = [n for n in str(text).replace(" ", ",").split(",") if n.strip()]
     if not names:
-        raise SubmitError(f"HPC_PREEMPT_SIGNALS={text!r} names no signal.\n"
+        raise PreemptError(f"HPC_PREEMPT_SIGNALS={text!r} names no signal.\n"
                           "HINT: e.g. HPC_PREEMPT_SIGNALS=USR2,TERM, or unset it.")
     return tuple(dict.fromkeys(parse_signal(n) for n in names))
 
@@ -81,7 +81,7 @@ def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Call
     """The ``HPC_STEP_HOOK`` function (``module:function``), or None when unset.
 
     Raises:
-        SubmitError: the value is not ``module:function`` or does not import (the message
+        PreemptError: the value is not ``module:function`` or does not import (the message
             says which part failed).
     """
     env = os.environ if environ is None else environ
@@ -90,7 +90,7 @@ def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Call
         return None
     return resolve_callable(spec, label=f"HPC_STEP_HOOK={spec!r}",
                             example="HPC_STEP_HOOK=mypkg.hooks:on_step, or unset it",
-                            where="of the job, or unset HPC_STEP_HOOK", error=SubmitError)
+                            where="of the job, or unset HPC_STEP_HOOK", error=PreemptError)
 
 
 class PreemptGuard:
@@ -184,7 +184,7 @@ class PreemptGuard:
             return
         try:
             received: Optional[signal.Signals] = parse_signal(text) if text else None
-        except SubmitError:
+        except PreemptError:
             received = None
         self.request()
         self.received = received
@@ -197,4 +197,24 @@ class PreemptGuard:
         if self.step_hook is not None:
             self.step_hook()
         self._look_at_stop_file()
+        return self.requested
+
+
+class StopFlag:
+    """A "checkpoint now and stop at the next step boundary" request.
+
+    Pass it as ``stop_requested``; call :meth:`request` from anywhere (a signal handler,
+    another thread). Only assignment happens in :meth:`request`, so it is safe in a
+    signal handler: ``signal.signal(signal.SIGUSR1, flag.request)``. The loop checks it
+    once per step and agrees across ranks, so a request on any single rank stops all.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, *_: Any) -> None:
+        """Ask the loop to stop (signature fits ``signal.signal`` handlers)."""
+        self.requested = True
+
+    def __call__(self) -> bool:
         return self.requested

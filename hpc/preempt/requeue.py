@@ -8,7 +8,7 @@ every task instead and SIGKILL ``GraceTime`` seconds later; a job that ends with
 grace time is *not* requeued by Slurm. So the guard handles both (``HPC_PREEMPT_SIGNALS``,
 default the warning signal and TERM) and hpc requeues the job itself. The flow:
 
-1. :class:`PreemptGuard` (:mod:`hpc.preempt.guard`, re-exported here) turns the signal
+1. :class:`~hpc.preempt.guard.PreemptGuard` turns the signal
    into a stop request on every rank that receives it (the handler only assigns a flag,
    so it is signal-safe).
 2. The training loop polls the guard once per step and agrees across ranks (one tiny
@@ -68,23 +68,11 @@ import sys
 from collections.abc import Mapping
 from typing import Callable, Optional
 
-from hpc.errors import SubmitError
-from hpc.preempt.guard import (
-    DEFAULT_SIGNAL,
-    VALID_SIGNALS,
-    PreemptGuard,
-    load_step_hook,
-    parse_signal,
-    parse_signals,
-    preempt_signals,
-)
+from hpc.errors import PreemptError
 
-__all__ = [
-    "PreemptGuard", "Budget", "Outcome", "load_step_hook", "parse_signal", "parse_signals",
-    "preempt_signals", "read_budget", "requeue_target", "requeue_after_stop",
-    "stopped_by_request", "close_before_failing_exit", "DEFAULT_SIGNAL", "DEFAULT_MAX_REQUEUES",
-    "EXIT_REQUEUED", "VALID_SIGNALS",
-]
+__all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_stop",
+           "stopped_by_request", "close_before_failing_exit", "DEFAULT_MAX_REQUEUES",
+           "EXIT_REQUEUED"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +103,7 @@ def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise SubmitError(f"{key}={raw!r} is not a non-negative integer.\n"
+        raise PreemptError(f"{key}={raw!r} is not a non-negative integer.\n"
                           f"HINT: set {key} to a whole number such as {default}, or unset it.")
     return value
 
@@ -204,7 +192,7 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
                        "resume.")
     try:
         budget = read_budget(env)
-    except SubmitError as e:
+    except PreemptError as e:
         return Outcome("failed", 1, str(e))
     if not budget.left:
         return Outcome("exhausted", 1, (
@@ -276,15 +264,11 @@ def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,
     """
     env = os.environ if environ is None else environ
     outcome = _decide(step, checkpoint, signame, before_requeue, env) if rank == 0 else None
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        dist = None  # type: ignore[assignment]
-    if dist is not None and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
-        box = [dataclasses.astuple(outcome) if outcome is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        outcome = Outcome(*box[0])
+    from hpc.sync.agree import broadcast_object, world  # torch: only after the stop
+
+    if world()[1] > 1:
+        box = broadcast_object(dataclasses.astuple(outcome) if outcome is not None else None)
+        outcome = Outcome(*box)
     if outcome is None:  # a non-master without a process group cannot learn it
         outcome = Outcome("failed", 1, f"rank {rank}: no process group to learn the "
                           "master's requeue outcome.\nHINT: call it on every rank after "

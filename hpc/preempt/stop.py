@@ -3,7 +3,7 @@
 A preemption signal reaches some ranks and not others, and at different moments. A loop
 that stopped on its own rank's flag would leave the others waiting in the next
 collective. :class:`AgreedStop` turns the local requests of a
-:class:`~hpc.preempt.requeue.PreemptGuard` into one answer every rank gets at the same
+:class:`~hpc.preempt.guard.PreemptGuard` into one answer every rank gets at the same
 step: one ``all_reduce(MAX)`` of a one-element tensor, on the steps where
 ``step % every == 0`` (a rule all ranks know in advance, so they reduce together)::
 
@@ -25,11 +25,12 @@ requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (s
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn, Optional
+from typing import NoReturn, Optional
 
-from hpc.preempt.requeue import PreemptGuard, close_before_failing_exit, requeue_after_stop
+from hpc.preempt.guard import PreemptGuard
+from hpc.preempt.requeue import close_before_failing_exit, requeue_after_stop
 
-__all__ = ["AgreedStop", "StopFlag"]
+__all__ = ["AgreedStop"]
 
 
 class AgreedStop:
@@ -53,7 +54,6 @@ class AgreedStop:
         self.every = int(every)
         self.stopped = False
         self.step: Optional[int] = None
-        self._flag: Any = None
 
     @property
     def requested(self) -> bool:
@@ -82,19 +82,9 @@ class AgreedStop:
         return agreed
 
     def _agree(self, local: bool) -> bool:
-        import torch.distributed as dist
+        from hpc.sync.agree import any_true  # torch: only once the loop runs
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return local
-        if self._flag is None:
-            import torch
-
-            from hpc.sync._collective import comm_device
-
-            self._flag = torch.zeros(1, dtype=torch.int32, device=comm_device())
-        self._flag.fill_(1 if local else 0)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        return bool(self._flag.item())
+        return any_true(local)
 
     def exit_code(self, step: int, checkpoint: Optional[str] = None, *,
                   stopped: Optional[bool] = None) -> int:
@@ -113,9 +103,9 @@ class AgreedStop:
         """
         if not (self.stopped if stopped is None else stopped):
             return 0
-        import torch.distributed as dist
+        from hpc.sync.agree import world
 
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank, _ = world()
         return requeue_after_stop(step, None if checkpoint is None else str(checkpoint),
                                   rank=rank, signame=self.signal_name).exit_code
 
@@ -131,23 +121,3 @@ class AgreedStop:
         if code:
             close_before_failing_exit()
         sys.exit(code)
-
-
-class StopFlag:
-    """A "checkpoint now and stop at the next step boundary" request.
-
-    Pass it as ``stop_requested``; call :meth:`request` from anywhere (a signal handler,
-    another thread). Only assignment happens in :meth:`request`, so it is safe in a
-    signal handler: ``signal.signal(signal.SIGUSR1, flag.request)``. The loop checks it
-    once per step and agrees across ranks, so a request on any single rank stops all.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def request(self, *_: Any) -> None:
-        """Ask the loop to stop (signature fits ``signal.signal`` handlers)."""
-        self.requested = True
-
-    def __call__(self) -> bool:
-        return self.requested

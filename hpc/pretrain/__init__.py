@@ -20,7 +20,7 @@ __all__ = [
 
 _LAZY = {
     "pretrain": "hpc.pretrain.loop", "PretrainResult": "hpc.pretrain.loop",
-    "StopFlag": "hpc.preempt.stop", "PretrainConfig": "hpc.pretrain.config",
+    "StopFlag": "hpc.preempt.guard", "PretrainConfig": "hpc.pretrain.config",
     "SearchSpace": "hpc.pretrain.space", "Supernet": "hpc.pretrain.space",
     "derive_seed": "hpc.pretrain.space", "arch_generator": "hpc.pretrain.space",
     "PretrainData": "hpc.pretrain.data", "load_data": "hpc.pretrain.data",

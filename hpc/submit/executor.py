@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc.errors import SubmitError
+from hpc.preempt.guard import parse_signal
 from hpc.submit.options import SubmitOptions, parse_sbatch
-from hpc.preempt.requeue import parse_signal
 
 if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob

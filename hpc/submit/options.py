@@ -20,12 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from hpc.errors import SubmitError
-from hpc.preempt.requeue import (
-    DEFAULT_MAX_REQUEUES,
-    DEFAULT_SIGNAL,
-    VALID_SIGNALS,
-    parse_signal,
-)
+from hpc.errors import PreemptError
+from hpc.preempt.guard import DEFAULT_SIGNAL, VALID_SIGNALS, parse_signal
+from hpc.preempt.requeue import DEFAULT_MAX_REQUEUES
 
 __all__ = ["MANAGED", "SubmitOptions", "option", "parse_sbatch", "parse_time",
            "sbatch_long_options"]
@@ -282,7 +279,10 @@ class SubmitOptions:
         if problems:
             raise SubmitError("invalid submit options: " + "; ".join(problems) + ".\n"
                               "HINT: see `hpc submit --help`.")
-        parse_signal(self.signal)
+        try:
+            parse_signal(self.signal)
+        except PreemptError as e:
+            raise SubmitError(f"--signal: {e}") from e
         parse_sbatch(self.sbatch)
 
 

@@ -37,15 +37,15 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from hpc._lazy import resolve_callable
 from hpc.errors import SubmitError
-from hpc.pretrain.config import PretrainConfig
+from hpc.preempt.guard import PreemptGuard
 from hpc.preempt.requeue import (
     EXIT_REQUEUED,
-    PreemptGuard,
     close_before_failing_exit,
     read_budget,
     requeue_after_stop,
     stopped_by_request,
 )
+from hpc.pretrain.config import PretrainConfig
 
 __all__ = ["PretrainJob", "ModuleJob", "FunctionJob", "resolve_function"]
 

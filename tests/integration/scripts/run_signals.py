@@ -18,7 +18,7 @@ guard = None
 if mode == "ignore-usr2":
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 elif mode == "guard":
-    from hpc.preempt.requeue import PreemptGuard
+    from hpc.preempt.guard import PreemptGuard
 
     guard = PreemptGuard().install()
 Path(sys.argv[1], f"pid{os.environ['RANK']}").write_text(str(os.getpid()))

@@ -1,4 +1,4 @@
-"""hpc.preempt.requeue: warning signal -> stop request -> requeue decision, without a job.
+"""hpc.requeue.requeue: warning signal -> stop request -> requeue decision, without a job.
 
 Real signals are sent to this process; ``scontrol`` is used where installed.
 """
@@ -13,32 +13,35 @@ from pathlib import Path
 
 import pytest
 
-from hpc.errors import SubmitError
-from hpc.preempt import requeue as preempt
+from hpc.errors import PreemptError, SubmitError
+from hpc.preempt import guard as guard_mod
+from hpc.preempt import requeue
 
 
 @pytest.mark.parametrize("name", ["USR2", "SIGUSR2", "usr2", str(int(signal.SIGUSR2))])
 def test_parse_signal_accepts_the_usual_spellings(name: str) -> None:
-    assert preempt.parse_signal(name) == signal.SIGUSR2
+    assert guard_mod.parse_signal(name) == signal.SIGUSR2
 
 
 @pytest.mark.parametrize("name", ["KILL", "STOP", "FOO", "9"])
 def test_parse_signal_rejects_uncatchable_and_unknown_listing_valid(name: str) -> None:
-    with pytest.raises(SubmitError, match=r"HINT: use one of: USR2, USR1"):
-        preempt.parse_signal(name)
+    with pytest.raises(PreemptError, match=r"HINT: use one of: USR2, USR1") as raised:
+        guard_mod.parse_signal(name)
+    # a bad signal under torchrun or mpirun is not a submitit error
+    assert not isinstance(raised.value, SubmitError)
 
 
 def test_budget_compares_restart_count_with_max_requeues() -> None:
-    assert preempt.read_budget({}) == preempt.Budget(0, preempt.DEFAULT_MAX_REQUEUES)
-    b = preempt.read_budget({"SLURM_RESTART_COUNT": "2", "HPC_MAX_REQUEUES": "2"})
+    assert requeue.read_budget({}) == requeue.Budget(0, requeue.DEFAULT_MAX_REQUEUES)
+    b = requeue.read_budget({"SLURM_RESTART_COUNT": "2", "HPC_MAX_REQUEUES": "2"})
     assert (b.restarts, b.max_requeues, b.left) == (2, 2, False)
-    assert preempt.read_budget({"SLURM_RESTART_COUNT": "1", "HPC_MAX_REQUEUES": "2"}).left
-    with pytest.raises(SubmitError, match="HPC_MAX_REQUEUES='x'"):
-        preempt.read_budget({"HPC_MAX_REQUEUES": "x"})
+    assert requeue.read_budget({"SLURM_RESTART_COUNT": "1", "HPC_MAX_REQUEUES": "2"}).left
+    with pytest.raises(PreemptError, match="HPC_MAX_REQUEUES='x'"):
+        requeue.read_budget({"HPC_MAX_REQUEUES": "x"})
 
 
 def test_guard_turns_a_real_signal_into_a_stop_request() -> None:
-    guard = preempt.PreemptGuard(environ={"HPC_PREEMPT_SIGNAL": "USR2"}).install()
+    guard = guard_mod.PreemptGuard(environ={"HPC_PREEMPT_SIGNAL": "USR2"}).install()
     try:
         assert guard() is False
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -59,13 +62,13 @@ def _record_poll() -> None:
 
 def test_guard_calls_its_step_hook_at_every_poll() -> None:
     polls: list[int] = []
-    guard = preempt.PreemptGuard(environ={}, step_hook=lambda: polls.append(1))
+    guard = guard_mod.PreemptGuard(environ={}, step_hook=lambda: polls.append(1))
     assert (guard(), guard(), polls) == (False, False, [1, 1])
     POLLS.clear()
-    guard = preempt.PreemptGuard(environ={"HPC_STEP_HOOK": f"{__name__}:_record_poll"})
+    guard = guard_mod.PreemptGuard(environ={"HPC_STEP_HOOK": f"{__name__}:_record_poll"})
     guard()
     assert POLLS == [1]
-    assert preempt.PreemptGuard(environ={}).step_hook is None
+    assert guard_mod.PreemptGuard(environ={}).step_hook is None
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -75,8 +78,8 @@ def test_guard_calls_its_step_hook_at_every_poll() -> None:
     ("os:sep", "is a str, not a function"),
 ])
 def test_bad_step_hook_is_an_error_naming_it(spec: str, match: str) -> None:
-    with pytest.raises(SubmitError, match=f"(?s)HPC_STEP_HOOK='{spec}' {match}"):
-        preempt.load_step_hook({"HPC_STEP_HOOK": spec})
+    with pytest.raises(PreemptError, match=f"(?s)HPC_STEP_HOOK='{spec}' {match}"):
+        guard_mod.load_step_hook({"HPC_STEP_HOOK": spec})
 
 
 def test_cluster_tests_step_hook_sleeps_only_in_the_first_runs() -> None:
@@ -86,30 +89,30 @@ def test_cluster_tests_step_hook_sleeps_only_in_the_first_runs() -> None:
         for key, value in slowed(0.2, runs=1).items():
             mp.setenv(key, value)
         start = time.monotonic()
-        preempt.PreemptGuard()()
+        guard_mod.PreemptGuard()()
         assert time.monotonic() - start >= 0.2
         mp.setenv("SLURM_RESTART_COUNT", "1")
         start = time.monotonic()
-        preempt.PreemptGuard()()
+        guard_mod.PreemptGuard()()
         assert time.monotonic() - start < 0.1
 
 
 def test_stopped_by_request_is_not_max_steps() -> None:
-    assert preempt.stopped_by_request("stopped", 7, None)
-    assert preempt.stopped_by_request("stopped", 7, 10)
-    assert not preempt.stopped_by_request("stopped", 10, 10)
-    assert not preempt.stopped_by_request("completed", 22, None)
+    assert requeue.stopped_by_request("stopped", 7, None)
+    assert requeue.stopped_by_request("stopped", 7, 10)
+    assert not requeue.stopped_by_request("stopped", 10, 10)
+    assert not requeue.stopped_by_request("completed", 22, None)
 
 
 def test_requeue_outside_slurm_just_stops() -> None:
-    out = preempt.requeue_after_stop(5, "ck.pt", environ={})
+    out = requeue.requeue_after_stop(5, "ck.pt", environ={})
     assert (out.kind, out.exit_code) == ("not-slurm", 0)
     assert "rerun the same command" in out.message
 
 
 def test_requeue_budget_exhausted_is_an_error_without_requeue() -> None:
     called = []
-    out = preempt.requeue_after_stop(
+    out = requeue.requeue_after_stop(
         5, "ck.pt", before_requeue=lambda: called.append(1),
         environ={"SLURM_JOB_ID": "1", "SLURM_RESTART_COUNT": "3", "HPC_MAX_REQUEUES": "3"})
     assert (out.kind, out.exit_code, called) == ("exhausted", 1, [])
@@ -121,20 +124,20 @@ def test_requeue_hook_failure_cancels_the_requeue() -> None:
     def fail() -> None:
         raise OSError("disk full")
 
-    out = preempt.requeue_after_stop(5, None, before_requeue=fail,
+    out = requeue.requeue_after_stop(5, None, before_requeue=fail,
                                      environ={"SLURM_JOB_ID": "1"})
     assert out.kind == "failed" and "disk full" in out.message
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol")
 def test_requeue_of_an_unknown_job_reports_scontrols_error() -> None:
-    out = preempt.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
+    out = requeue.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
     assert out.kind == "failed" and "scontrol requeue 999999999" in out.message
     assert "HINT:" in out.message
 
 
 def test_guard_handles_sigterm_too_by_default_and_names_the_signal_received() -> None:
-    guard = preempt.PreemptGuard(environ={}).install()
+    guard = guard_mod.PreemptGuard(environ={}).install()
     try:
         assert guard.signums == (signal.SIGUSR2, signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # real preemption sends TERM: no death
@@ -146,24 +149,24 @@ def test_guard_handles_sigterm_too_by_default_and_names_the_signal_received() ->
 
 
 def test_preempt_signals_list_overrides_the_default() -> None:
-    assert preempt.preempt_signals({"HPC_PREEMPT_SIGNAL": "XCPU"}) == (
+    assert guard_mod.preempt_signals({"HPC_PREEMPT_SIGNAL": "XCPU"}) == (
         signal.SIGXCPU, signal.SIGTERM)
-    assert preempt.preempt_signals({"HPC_PREEMPT_SIGNALS": "usr1, SIGHUP,USR1"}) == (
+    assert guard_mod.preempt_signals({"HPC_PREEMPT_SIGNALS": "usr1, SIGHUP,USR1"}) == (
         signal.SIGUSR1, signal.SIGHUP)
-    with pytest.raises(SubmitError, match="names no signal"):
-        preempt.parse_signals(" , ")
-    with pytest.raises(SubmitError, match="'KILL' is not supported"):
-        preempt.preempt_signals({"HPC_PREEMPT_SIGNALS": "USR2,KILL"})
+    with pytest.raises(PreemptError, match="names no signal"):
+        guard_mod.parse_signals(" , ")
+    with pytest.raises(PreemptError, match="'KILL' is not supported"):
+        guard_mod.preempt_signals({"HPC_PREEMPT_SIGNALS": "USR2,KILL"})
 
 
 def test_array_task_requeues_itself_not_the_whole_array() -> None:
     # measured: `scontrol requeue $SLURM_JOB_ID` from task 0 (JOB_ID == ARRAY_JOB_ID)
     # requeued both tasks of --array=0-1
     env = {"SLURM_JOB_ID": "40", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "0"}
-    assert preempt.requeue_target(env) == "40_0"
-    assert preempt.requeue_target({"SLURM_JOB_ID": "41"}) == "41"
-    assert preempt.requeue_target({"SLURM_JOBID": "42"}) == "42"
-    assert preempt.requeue_target({}) is None
+    assert requeue.requeue_target(env) == "40_0"
+    assert requeue.requeue_target({"SLURM_JOB_ID": "41"}) == "41"
+    assert requeue.requeue_target({"SLURM_JOBID": "42"}) == "42"
+    assert requeue.requeue_target({}) is None
 
 
 def test_without_scontrol_the_master_hands_the_requeue_to_the_batch_shell(
@@ -171,11 +174,11 @@ def test_without_scontrol_the_master_hands_the_requeue_to_the_batch_shell(
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol on PATH, as in a container
     marker = tmp_path / "requeue-me"
     env = {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "1"}
-    out = preempt.requeue_after_stop(5, "ck.pt", environ={**env,
+    out = requeue.requeue_after_stop(5, "ck.pt", environ={**env,
                                                           "HPC_REQUEUE_MARKER": str(marker)})
-    assert (out.kind, out.exit_code) == ("requeued", preempt.EXIT_REQUEUED)
+    assert (out.kind, out.exit_code) == ("requeued", requeue.EXIT_REQUEUED)
     assert "the batch shell requeues it" in out.message
     assert marker.read_text() == "6_1\n"
-    out = preempt.requeue_after_stop(5, "ck.pt", environ=env)  # no shell to hand it to
+    out = requeue.requeue_after_stop(5, "ck.pt", environ=env)  # no shell to hand it to
     assert (out.kind, out.exit_code) == ("failed", 1)
     assert "FileNotFoundError" in out.message and "HINT:" in out.message
