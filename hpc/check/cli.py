@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from hpc.cli.main import subcommand
 
 __all__ = ["add_parser", "main", "parse_size"]
 
@@ -125,11 +126,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpc.check.cli ARGS``: the same as ``hpc check ARGS``."""
-    from hpc.cli.main import run_subcommand
-
-    return run_subcommand(add_parser, argv)
+main = subcommand(add_parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

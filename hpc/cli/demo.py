@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from collections.abc import Sequence
 from typing import Any
+
+from hpc.cli.main import subcommand
 
 __all__ = ["add_parser", "main"]
 
@@ -47,11 +48,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpc.cli.demo ARGS``: the same as ``hpc demo ARGS``."""
-    from hpc.cli.main import run_subcommand
-
-    return run_subcommand(add_parser, argv)
+main = subcommand(add_parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

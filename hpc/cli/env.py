@@ -6,8 +6,9 @@ import argparse
 import json
 import socket
 import sys
-from collections.abc import Sequence
 from typing import Any
+
+from hpc.cli.main import subcommand
 
 __all__ = ["add_parser", "describe_local", "find_mismatches", "main"]
 
@@ -105,11 +106,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpc.cli.env ARGS``: the same as ``hpc env ARGS``."""
-    from hpc.cli.main import run_subcommand
-
-    return run_subcommand(add_parser, argv)
+main = subcommand(add_parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,8 +2,8 @@
 
 Every subcommand lives in the module :data:`SUBCOMMANDS` names, which provides
 ``add_parser(subparsers)``: it registers a parser whose ``func`` default is the private
-handler ``_run(args) -> int``. Each such module also has ``main(argv=None) -> int``
-(through :func:`run_subcommand`), so ``python -m hpc.cli.demo`` is ``hpc demo``.
+handler ``_run(args) -> int``. Each such module also has ``main = subcommand(add_parser)``,
+so ``python -m hpc.cli.demo ARGS`` is ``hpc demo ARGS``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main", "run_subcommand"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "run_subcommand", "subcommand"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,20 @@ def run_subcommand(add_parser: Callable[[Any], None],
     (command,) = sub.choices
     args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args) or 0)
+
+
+def subcommand(add_parser: Callable[[Any], None]) -> Callable[[Sequence[str] | None], int]:
+    """The ``main(argv=None) -> int`` of a subcommand module: :func:`run_subcommand`.
+
+    In the module, after ``add_parser``: ``main = subcommand(add_parser)``.
+    """
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return run_subcommand(add_parser, argv)
+
+    main.__doc__ = (f"``python -m {add_parser.__module__} ARGS``: the same as the ``hpc`` "
+                    "subcommand with ARGS.")
+    return main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

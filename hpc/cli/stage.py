@@ -1,9 +1,12 @@
-"""What the ``hpc search`` and ``hpc tune`` commands share (internal).
+"""The one shape of a stage command: ``hpc pretrain``, ``hpc search``, ``hpc tune``.
 
-:func:`add_fields` turns a config dataclass's fields into flags; :func:`run_stage` is
-the one shape of a stage command: the warning-signal guard first, the config validated,
-``init_torch``, logging into the output directory, the stage, then the requeue after an
-agreed stop, with the exit codes of ``hpc pretrain``.
+:func:`add_fields` turns a config dataclass's fields into flags and
+:func:`config_from_args` reads them back; :func:`run_stage` runs a stage: the
+warning-signal guard first, the config validated, ``init_torch``, logging into the
+output directory, the stage, then the requeue after an agreed stop. Exit codes (the same
+on every rank): 0 completed or stopped cleanly, 2 a bad command line, 1 an error in the
+stage (the process is then marked as failing, so its exit aborts the process group
+instead of destroying it), 75 stopped and requeued.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import logging
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["add_fields", "run_stage"]
+__all__ = ["add_fields", "config_from_args", "run_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +41,24 @@ def add_fields(p: argparse.ArgumentParser, cls: Any, helps: dict[str, str]) -> N
                        metavar=metavar, help=f"{text} (default {default})")
 
 
+def config_from_args(cls: Any, args: argparse.Namespace) -> Any:
+    """The ``cls`` config a parsed command line describes (its fields, by name)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
 def run_stage(command: str, cls: Any, args: argparse.Namespace,
-              stage: Callable[..., Any], log_name: str, progress: Progress) -> int:
-    """Run one stage command (``hpc search``, ``hpc tune``); return the exit status.
+              stage: Callable[..., Any], log_file: Callable[[Any], Optional[Path]],
+              progress: Progress) -> int:
+    """Run one stage command; return the exit status.
 
     Args:
         command: The command's name, for messages.
         cls: The config dataclass; its fields are read from ``args``.
-        args: The parsed command line.
-        stage: ``stage(cfg, stop_requested=guard) -> result``.
-        log_name: The log file written into ``cfg.out_dir`` by the global master.
+        args: The parsed command line (with ``log_level``).
+        stage: ``stage(cfg, stop_requested=guard) -> result``; ``result.status`` is
+            ``completed``, ``stopped`` or anything else for a failed run.
+        log_file: The log file the global master writes for ``cfg`` (None: none).
         progress: Where the stage stopped, its limit and its checkpoint.
     """
     from hpc.errors import HPCError
@@ -58,8 +70,7 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
     except HPCError as e:
         print(f"hpc {command}: {e}", file=sys.stderr)
         return 2
-    names = {f.name for f in dataclasses.fields(cls)}
-    cfg = cls(**{k: v for k, v in vars(args).items() if k in names})
+    cfg = config_from_args(cls, args)
     try:
         cfg.validate()
     except ValueError as e:
@@ -68,14 +79,24 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
     import hpc
 
     info = hpc.init_torch(seed=cfg.seed)
-    hpc.setup_logging(info, level=getattr(logging, args.log_level),
-                      log_file=cfg.out_dir / log_name)
+    hpc.setup_logging(info, level=getattr(logging, args.log_level), log_file=log_file(cfg))
     try:
         result = stage(cfg, stop_requested=stop.guard)  # agreed inside the loop
     except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
         logger.error("%s", e)
-        return 1
+        logger.debug("%s failed", command, exc_info=True)
+        return _failing(type(e).__name__)
     position, limit, checkpoint = progress(result, cfg)
     if stopped_by_request(result.status, position, limit):
         return stop.exit_code(position, checkpoint, stopped=True)
+    if result.status not in ("completed", "stopped"):
+        return _failing(f"{command} {result.status}")
     return 0
+
+
+def _failing(reason: str) -> int:
+    """Exit status 1, the process marked as failing: its exit aborts the process group."""
+    from hpc.watchdog.failure import note_failure
+
+    note_failure(reason)
+    return 1

@@ -13,17 +13,17 @@ runs ``scontrol requeue`` (budget ``HPC_MAX_REQUEUES``) and every rank exits wit
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import typing
-from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from hpc.cli import stage
+from hpc.cli.main import subcommand
+from hpc.cli.stage import add_fields
 from hpc.pretrain.config import PretrainConfig
 
 __all__ = ["add_parser", "config_from_args", "main"]
 
-logger = logging.getLogger(__name__)
 
 EPILOG = """examples:
   hpc run --nproc 4 -- hpc pretrain --out runs/digits
@@ -33,34 +33,32 @@ EPILOG = """examples:
 """
 
 
+#: Flags that are plain config fields (type and default from :class:`PretrainConfig`).
+FIELD_HELP = {
+    "epochs": "epochs",
+    "batch_size": "samples per rank per step",
+    "lr": "peak learning rate, cosine to 0",
+    "momentum": "SGD momentum",
+    "weight_decay": "weight decay",
+    "label_smoothing": "label smoothing",
+    "seed": "seed of weights, split, order, archs",
+    "val_fraction": "digits held out for validation",
+    "width": "supernet channels",
+    "val_archs": "sub-networks validated per epoch",
+    "val_every": "validate every N epochs, 0 = last only",
+    "recal_samples": "train images recalibrating BatchNorm per validated sub-net, 0 = off",
+    "keep": "checkpoints kept",
+}
+
+
 def _build(p: argparse.ArgumentParser) -> None:
     d = PretrainConfig()
-    types = typing.get_type_hints(PretrainConfig)
     a = p.add_argument
-
-    def field(flag: str, help: str) -> None:
-        """``--flag`` for the config field of that name: its type, its default, shown."""
-        name = flag[2:].replace("-", "_")
-        default = getattr(d, name)
-        a(flag, type=types[name], default=default, help=f"{help} (default {default})")
-
-    field("--epochs", "epochs")
-    field("--batch-size", "samples per rank per step")
-    field("--lr", "peak learning rate, cosine to 0")
+    add_fields(p, PretrainConfig, FIELD_HELP)
     a("--optimizer", choices=("sgd", "adamw"), default=d.optimizer,
       help=f"optimizer (default {d.optimizer}, Nesterov momentum)")
-    field("--momentum", "SGD momentum")
-    field("--weight-decay", "weight decay")
-    field("--label-smoothing", "label smoothing")
-    field("--seed", "seed of weights, split, order, archs")
     a("--data", default=None, metavar="FILE",
       help="an .npz/.pt file with x_train,y_train,x_val,y_val (default: sklearn digits)")
-    field("--val-fraction", "digits held out for validation")
-    field("--width", "supernet channels")
-    field("--val-archs", "sub-networks validated per epoch")
-    field("--val-every", "validate every N epochs, 0 = last only")
-    field("--recal-samples", "train images recalibrating BatchNorm per validated sub-net, "
-          "0 = off")
     a("--out", default=d.out, metavar="DIR",
       help=f"run directory, written by rank 0 (default {d.out})")
     a("--no-out", dest="out", action="store_const", const=None,
@@ -72,7 +70,6 @@ def _build(p: argparse.ArgumentParser) -> None:
       help="never resume; refuse a DIR that holds checkpoints")
     a("--ckpt-every", type=int, default=d.ckpt_every,
       help="also checkpoint every N steps (default: epoch ends and stops only)")
-    field("--keep", "checkpoints kept")
     a("--max-steps", type=int, default=None,
       help="stop with a checkpoint after this global step (schedule still spans --epochs)")
     a("--elastic", action="store_true",
@@ -90,45 +87,21 @@ def _build(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     """The :class:`PretrainConfig` an ``hpc pretrain`` command line describes."""
-    names = PretrainConfig.__dataclass_fields__
-    return PretrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return stage.config_from_args(PretrainConfig, args)
+
+
+def _pretrain(cfg: PretrainConfig, stop_requested: Any) -> Any:
+    from hpc.pretrain.loop import pretrain
+
+    cfg.setup_logging = False  # the command has set it up
+    return pretrain(cfg, stop_requested=stop_requested)
 
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
-    from hpc.errors import HPCError
-    from hpc.preempt.requeue import stopped_by_request
-    from hpc.preempt.stop import AgreedStop
-
-    try:  # first: the warning signal must not kill a rank that is still importing torch
-        stop = AgreedStop()  # installs the guard
-    except HPCError as e:
-        print(f"hpc pretrain: {e}", file=sys.stderr)
-        return 2
-    cfg = config_from_args(args)
-    try:
-        cfg.validate()
-    except ValueError as e:
-        print(f"hpc pretrain: {e}", file=sys.stderr)
-        return 2
-    cfg.setup_logging = False
-    import hpc
-    from hpc.pretrain.loop import pretrain
-
-    info = hpc.init_torch(seed=cfg.seed)
-    log_file = f"{cfg.out}/pretrain.log" if cfg.out else None
-    hpc.setup_logging(info, level=getattr(logging, args.log_level), log_file=log_file)
-    try:
-        result = pretrain(cfg, stop_requested=stop.guard)  # agreed inside the loop
-    except (HPCError, ValueError, FileNotFoundError) as e:
-        logger.error("%s", e)
-        from hpc.watchdog.failure import note_failure
-
-        note_failure(type(e).__name__)  # the exit aborts the process group
-        return 1
-    if stopped_by_request(result.status, result.step, cfg.max_steps):
-        return stop.exit_code(result.step, result.checkpoint, stopped=True)
-    return 0 if result.status in ("completed", "stopped") else 1
+    return stage.run_stage("pretrain", PretrainConfig, args, _pretrain,
+                           lambda cfg: Path(cfg.out) / "pretrain.log" if cfg.out else None,
+                           lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint))
 
 
 def add_parser(sub: Any) -> None:
@@ -140,11 +113,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpc.pretrain.cli ARGS``: the same as ``hpc pretrain ARGS``."""
-    from hpc.cli.main import run_subcommand
-
-    return run_subcommand(add_parser, argv)
+main = subcommand(add_parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

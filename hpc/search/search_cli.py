@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
+from hpc.cli.main import subcommand
 from hpc.cli.stage import add_fields, run_stage
 from hpc.search.config import SearchConfig
 
@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``hpc search`` with parsed ``args``; return the exit status."""
     from hpc.search.search import search
 
-    return run_stage("search", SearchConfig, args, search, "search.log",
+    return run_stage("search", SearchConfig, args, search, lambda cfg: cfg.out_dir / "search.log",
                      lambda result, cfg: (result.generations, cfg.max_generations,
                                           result.out))
 
@@ -76,11 +76,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hpc.search.search_cli ARGS``: the same as ``hpc search ARGS``."""
-    from hpc.cli.main import run_subcommand
-
-    return run_subcommand(add_parser, argv)
+main = subcommand(add_parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

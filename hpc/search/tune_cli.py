@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
+from hpc.cli.main import subcommand
 from hpc.cli.stage import add_fields, run_stage
 from hpc.search.config import TuneConfig
 
@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``hpc tune`` with parsed ``args``; return the exit status."""
     from hpc.search.tune import tune
 
-    return run_stage("tune", TuneConfig, args, tune, "tune.log",
+    return run_stage("tune", TuneConfig, args, tune, lambda cfg: cfg.out_dir / "tune.log",
                      lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint))
 
 
@@ -78,11 +78,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hpc.search.tune_cli ARGS``: the same as ``hpc tune ARGS``."""
-    from hpc.cli.main import run_subcommand
-
-    return run_subcommand(add_parser, argv)
+main = subcommand(add_parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,8 +19,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
-from hpc.errors import SubmitError
-from hpc.errors import PreemptError
+from hpc.errors import PreemptError, SubmitError
 from hpc.preempt.guard import DEFAULT_SIGNAL, VALID_SIGNALS, parse_signal
 from hpc.preempt.requeue import DEFAULT_MAX_REQUEUES
 
