@@ -1,9 +1,14 @@
-"""The ``hpc`` command: :mod:`hpc.cli.main` holds the subcommand table.
+"""The ``hpc`` command: the subcommand table and the commands that belong to no room.
 
-* :mod:`hpc.cli.main` — the table, the parser and ``main``;
+* :mod:`hpc.cli.main` — the table (:data:`~hpc.cli.main.SUBCOMMANDS`), the parser,
+  ``main`` and :func:`~hpc.cli.main.subcommand`, every subcommand module's ``main``;
+* :mod:`hpc.cli.stage` — the one shape of the stage commands (``hpc pretrain``,
+  ``hpc search``, ``hpc tune``): guard, config, init, stage, requeue, exit codes;
 * :mod:`hpc.cli.run` — ``hpc run`` (engine: :mod:`hpc.launch`);
-* :mod:`hpc.cli.env` — ``hpc env``;
-* :mod:`hpc.cli.demo` — ``hpc demo``.
+* :mod:`hpc.cli.env` — ``hpc env``; :mod:`hpc.cli.demo` — ``hpc demo``;
+* :mod:`hpc.cli.failures` — ``hpc first-failure``.
 
-Feature packages keep their own command line (``hpc.pretrain.cli``, ``hpc.submit.cli``).
+Rooms with a command keep it beside their code (``hpc.pretrain.cli``,
+``hpc.search.search_cli``, ``hpc.search.tune_cli``, ``hpc.submit.cli``,
+``hpc.check.cli``); the table names them as text, so ``hpc --help`` imports no torch.
 """

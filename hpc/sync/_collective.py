@@ -1,4 +1,6 @@
-"""Helpers shared by :mod:`hpc.sync.model` and :mod:`hpc.sync.grads`.
+"""The sync's transport: the collectives :mod:`hpc.sync.model`, :mod:`hpc.sync.grads`,
+the shared-memory lane and :mod:`hpc.sync.agree` issue (private: other rooms use
+:mod:`hpc.sync.agree`).
 
 * :func:`active_world` says whether collectives are needed at all (no-op otherwise).
 * :func:`check_same_tensors` verifies, with one ``all_reduce(MAX)`` of four int64 (a
@@ -9,7 +11,10 @@
   tensor and the ranks, instead of letting a later collective of mismatched sizes hang.
 * :func:`comm_device` picks the device a collective's tensors must live on.
 * :data:`BucketKind` names what one bucket's collective does, in both modules, and
-  :func:`start_bucket` issues it.
+  :func:`start_bucket` issues it; :func:`start_max` and :func:`start_all_gather` are the
+  small element-wise MAX and gather. At world size 2 on gloo (CPU tensors) all three go
+  as ``isend``/``irecv`` (gloo runs those in the calling thread), counted by the
+  watchdog's tracker as one collective each.
 * The default bucket sizes of both modules live here, side by side, with why they differ.
 """
 
