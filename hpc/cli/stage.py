@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["add_fields", "config_from_args", "run_stage"]
+__all__ = ["add_fields", "add_stage_parser", "config_from_args", "run_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,26 @@ def add_fields(p: argparse.ArgumentParser, cls: Any, helps: dict[str, str]) -> N
         metavar = name.split("_")[-1].upper() if kind is str else None
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                        metavar=metavar, help=f"{text} (default {default})")
+
+
+def add_stage_parser(sub: Any, name: str, help: str, doc: Optional[str], epilog: str,
+                     build: Callable[[argparse.ArgumentParser], None],
+                     run: Callable[[argparse.Namespace], int]) -> None:
+    """Register the stage command ``name`` (its module's ``add_parser``; imports no torch).
+
+    Args:
+        sub: The ``hpc`` subparsers.
+        name: The command.
+        help: Its line in ``hpc --help``.
+        doc: Its description (the module docstring).
+        epilog: Its examples.
+        build: Adds its flags.
+        run: Its handler.
+    """
+    p = sub.add_parser(name, help=help, description=doc, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    build(p)
+    p.set_defaults(func=run)
 
 
 def config_from_args(cls: Any, args: argparse.Namespace) -> Any:

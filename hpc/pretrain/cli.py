@@ -19,7 +19,7 @@ from typing import Any
 
 from hpc.cli import stage
 from hpc.cli.main import subcommand
-from hpc.cli.stage import add_fields
+from hpc.cli.stage import add_fields, add_stage_parser
 from hpc.pretrain.config import PretrainConfig
 
 __all__ = ["add_parser", "config_from_args", "main"]
@@ -106,11 +106,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Register ``hpc pretrain`` (no torch import here: ``hpc --help`` stays fast)."""
-    p = sub.add_parser("pretrain", help="distributed supernet pretraining (digits by default)",
-                       description=__doc__, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _build(p)
-    p.set_defaults(func=_run)
+    add_stage_parser(sub, "pretrain", "distributed supernet pretraining (digits by default)",
+                     __doc__, EPILOG, _build, _run)
 
 
 main = subcommand(add_parser)

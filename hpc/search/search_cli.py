@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from hpc.cli.main import subcommand
-from hpc.cli.stage import add_fields, run_stage
+from hpc.cli.stage import add_fields, add_stage_parser, run_stage
 from hpc.search.config import SearchConfig
 
 __all__ = ["add_parser", "main"]
@@ -69,11 +69,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Register ``hpc search`` (no torch import here: ``hpc --help`` stays fast)."""
-    p = sub.add_parser("search", help="search a pretrained supernet for its best "
-                       "sub-network", description=__doc__, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _build(p)
-    p.set_defaults(func=_run)
+    add_stage_parser(sub, "search", "search a pretrained supernet for its best sub-network",
+                     __doc__, EPILOG, _build, _run)
 
 
 main = subcommand(add_parser)

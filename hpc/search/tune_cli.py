@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from hpc.cli.main import subcommand
-from hpc.cli.stage import add_fields, run_stage
+from hpc.cli.stage import add_fields, add_stage_parser, run_stage
 from hpc.search.config import TuneConfig
 
 __all__ = ["add_parser", "main"]
@@ -71,11 +71,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Register ``hpc tune`` (no torch import here: ``hpc --help`` stays fast)."""
-    p = sub.add_parser("tune", help="fine-tune the searched sub-network with DDP",
-                       description=__doc__, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _build(p)
-    p.set_defaults(func=_run)
+    add_stage_parser(sub, "tune", "fine-tune the searched sub-network with DDP", __doc__,
+                     EPILOG, _build, _run)
 
 
 main = subcommand(add_parser)
