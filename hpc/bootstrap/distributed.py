@@ -202,7 +202,9 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
 
     env = os.environ if environ is None else environ
     info = _resolve(env)
-    threads.configure(info, env)  # OMP_NUM_THREADS / torch threads per rank
+    count, wanted = threads.plan(info, env)
+    _export(wanted)  # OMP_NUM_THREADS, for child processes: before torch's own count
+    threads.set_torch_threads(count)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if connect_timeout is None:
