@@ -260,8 +260,9 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
             gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
         from hpc.bootstrap import network
 
-        pinned = network.pin_interface(info.master_addr, os.environ, info.local_rank,
+        pinned = network.interface_env(info.master_addr, os.environ, info.local_rank,
                                        network.mode(env))
+        _export(pinned)  # before the pre-flight reports them and gloo/NCCL read them
         store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
                                     backend=backend, pinned=pinned)
     kwargs: dict[str, Any] = {}
