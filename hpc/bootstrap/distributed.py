@@ -109,7 +109,8 @@ def _export(values: Mapping[str, str],
 
     The one step of :mod:`hpc.bootstrap` that writes the environment: each phase
     returns the variables it wants set, and :func:`init_torch` hands them here at the
-    point where the next phase needs them.
+    point where the next phase needs them (``tests/unit/bootstrap/test_env_writer.py``
+    keeps it the only one).
     """
     (os.environ if environ is None else environ).update(values)
 
