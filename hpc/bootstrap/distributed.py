@@ -9,6 +9,19 @@ A training script written for torch-hpc looks the same under every launcher::
     ...
 
 No explicit teardown is needed: it is registered with :mod:`atexit`.
+
+This module is the one writer of ``os.environ`` in :mod:`hpc.bootstrap`: each phase
+returns the variables it wants set and ``init_torch`` applies them, through one export
+step, at the point where the next phase reads them:
+
+* the layout as torchrun's variables (:func:`torchrun_env`; it refuses to replace a
+  different value), first;
+* ``OMP_NUM_THREADS`` (:func:`hpc.bootstrap.threads.plan`), before torch's own count;
+* ``CUDA_VISIBLE_DEVICES`` narrowed to the local rank's MIG instance, before CUDA starts;
+* the NCCL Flight Recorder settings (:func:`hpc.watchdog.monitor.flight_recorder_env`)
+  and ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
+  (:func:`hpc.bootstrap.network.interface_env`), before the pre-flight and
+  ``init_process_group``.
 """
 
 from __future__ import annotations
