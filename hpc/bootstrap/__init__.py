@@ -1,6 +1,9 @@
 """What :func:`hpc.init_torch` runs, in call order.
 
 * :mod:`hpc.bootstrap.distributed` — ``init_torch``/``teardown``, export, roles, barriers;
+  the one writer of ``os.environ`` here: the other phases (:mod:`~hpc.bootstrap.threads`,
+  :mod:`~hpc.bootstrap.network`, ...) return the variables they want set and its export
+  step applies them, in call order;
 * :mod:`hpc.bootstrap.master` — the master address where the launcher gives none;
 * :mod:`hpc.bootstrap.preflight` — the pre-flight before init (all ranks joined, no GPU shared);
   under torchrun scoped by :mod:`hpc.bootstrap.attempt`, the attempt id all ranks share;

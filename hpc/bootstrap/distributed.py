@@ -9,6 +9,19 @@ A training script written for torch-hpc looks the same under every launcher::
     ...
 
 No explicit teardown is needed: it is registered with :mod:`atexit`.
+
+This module is the one writer of ``os.environ`` in :mod:`hpc.bootstrap`: each phase
+returns the variables it wants set and ``init_torch`` applies them, through one export
+step, at the point where the next phase reads them:
+
+* the layout as torchrun's variables (:func:`torchrun_env`; it refuses to replace a
+  different value), first;
+* ``OMP_NUM_THREADS`` (:func:`hpc.bootstrap.threads.plan`), before torch's own count;
+* ``CUDA_VISIBLE_DEVICES`` narrowed to the local rank's MIG instance, before CUDA starts;
+* the NCCL Flight Recorder settings (:func:`hpc.watchdog.monitor.flight_recorder_env`)
+  and ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
+  (:func:`hpc.bootstrap.network.interface_env`), before the pre-flight and
+  ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -27,8 +40,8 @@ from hpc.environments import DistInfo, detect
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = [
-    "init_torch", "teardown", "export_env", "info", "device", "is_dist", "get_rank",
-    "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
+    "init_torch", "teardown", "export_env", "torchrun_env", "info", "device", "is_dist",
+    "get_rank", "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
     "is_master", "is_local_master", "master_only", "barrier", "seed_everything",
 ]
 
@@ -57,24 +70,21 @@ def _torchrun_values(info: DistInfo) -> dict[str, object]:
 EXPORTED: tuple[str, ...] = tuple(_torchrun_values(DistInfo(launcher="local")))
 
 
-def export_env(info: DistInfo, environ: Optional[MutableMapping[str, str]] = None,
-               *, overwrite: bool = False) -> None:
-    """Write ``info`` as torchrun-style variables, the one place that does so.
+def torchrun_env(info: DistInfo, environ: Mapping[str, str], *,
+                 overwrite: bool = False) -> dict[str, str]:
+    """The torchrun-style variables of ``info`` to set over ``environ`` (pure).
 
-    Sets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``NODE_RANK``, ``NNODES``, so code that reads
-    them (``env://`` init, other libraries) sees the same layout.
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``NODE_RANK``, ``NNODES``; a field ``info``
+    does not know (``None``) is left out.
 
     Raises:
-        LaunchEnvironmentError: a variable already holds a different value and
-            ``overwrite`` is False; the message shows both values.
+        LaunchEnvironmentError: a variable of ``environ`` already holds a different
+            value and ``overwrite`` is False; the message shows both values.
     """
-    env = os.environ if environ is None else environ
-    values = _torchrun_values(info)
-    clashes = [
-        f"{k}={env[k]} (set) vs {v} (detected from {info.launcher})"
-        for k, v in values.items() if v is not None and k in env and env[k] != str(v)
-    ]
+    values = {k: str(v) for k, v in _torchrun_values(info).items() if v is not None}
+    clashes = [f"{k}={environ[k]} (set) vs {v} (detected from {info.launcher})"
+               for k, v in values.items() if k in environ and environ[k] != v]
     if clashes and not overwrite:
         raise LaunchEnvironmentError(
             "refusing to overwrite existing variables with different values: "
@@ -83,9 +93,39 @@ def export_env(info: DistInfo, environ: Optional[MutableMapping[str, str]] = Non
             "detected layout.\n"
             "HINT: unset them, or set HPC_LAUNCHER to the launcher that should win."
         )
-    for k, v in values.items():
-        if v is not None:
-            env[k] = str(v)
+    return values
+
+
+def export_env(info: DistInfo, environ: Optional[MutableMapping[str, str]] = None,
+               *, overwrite: bool = False) -> None:
+    """Write ``info`` as torchrun-style variables (:func:`torchrun_env`).
+
+    Code that reads them (``env://`` init, other libraries) then sees the same layout.
+
+    Args:
+        info: The layout to write.
+        environ: Where to write (default ``os.environ``).
+        overwrite: Replace variables that hold a different value instead of refusing.
+
+    Raises:
+        LaunchEnvironmentError: a variable already holds a different value and
+            ``overwrite`` is False; the message shows both values, and nothing is
+            written.
+    """
+    env = os.environ if environ is None else environ
+    _export(torchrun_env(info, env, overwrite=overwrite), env)
+
+
+def _export(values: Mapping[str, str],
+            environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Set ``values`` in ``environ`` (default ``os.environ``), in their order.
+
+    The one step of :mod:`hpc.bootstrap` that writes the environment: each phase
+    returns the variables it wants set, and :func:`init_torch` hands them here at the
+    point where the next phase needs them (``tests/unit/bootstrap/test_env_writer.py``
+    keeps it the only one).
+    """
+    (os.environ if environ is None else environ).update(values)
 
 
 def seed_everything(seed: int) -> None:
@@ -111,7 +151,7 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
 
     if not uses_cuda(backend):
         return backend or "gloo", torch.device("cpu")
-    _bind_mig(info)
+    _export(_mig_env(info))  # before CUDA is initialised, which reads it once
     if not torch.cuda.is_available():
         return backend or "gloo", torch.device("cpu")
     count = torch.cuda.device_count()
@@ -124,9 +164,10 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
     return backend or DEFAULT_GPU_BACKEND, torch.device("cuda", index)
 
 
-def _bind_mig(info: DistInfo) -> None:
-    """Give this local rank its own MIG instance when every rank got the whole list
-    (CUDA would show each of them only the first); before CUDA is initialised."""
+def _mig_env(info: DistInfo) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` narrowed to this local rank's own MIG instance when
+    every rank got the whole list (CUDA would show each of them only the first); empty
+    when there is nothing to narrow or CUDA was initialised already."""
     import torch
 
     from hpc.bootstrap.gpubind import narrow_mig
@@ -134,15 +175,15 @@ def _bind_mig(info: DistInfo) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     mine = narrow_mig(visible, info.local_rank, info.local_world_size)
     if mine is None:
-        return
+        return {}
     if torch.cuda.is_initialized():
         logger.warning("CUDA_VISIBLE_DEVICES lists %s MIG instances but CUDA was "
                        "initialised before hpc.init_torch(): every rank sees the first",
                        len(visible.split(",")) if visible else 0)
-        return
-    os.environ["CUDA_VISIBLE_DEVICES"] = mine
+        return {}
     logger.info("local rank %d: CUDA_VISIBLE_DEVICES=%s (its MIG instance of %s)",
                 info.local_rank, mine, visible)
+    return {"CUDA_VISIBLE_DEVICES": mine}
 
 
 def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
@@ -175,7 +216,9 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
 
     env = os.environ if environ is None else environ
     info = _resolve(env)
-    threads.configure(info, env)  # OMP_NUM_THREADS / torch threads per rank
+    count, wanted = threads.plan(info, env)
+    _export(wanted)  # OMP_NUM_THREADS, for child processes: before torch's own count
+    threads.set_torch_threads(count)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if connect_timeout is None:
@@ -222,7 +265,7 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
         if nccl:
             from hpc.watchdog.monitor import flight_recorder_env
 
-            os.environ.update(flight_recorder_env(os.environ))
+            _export(flight_recorder_env(os.environ))
         gpu = None
         # NCCL >= 2.30 runs several ranks on one GPU when asked to: no refusal then
         if nccl and env.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
@@ -231,8 +274,9 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
             gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
         from hpc.bootstrap import network
 
-        pinned = network.pin_interface(info.master_addr, os.environ, info.local_rank,
+        pinned = network.interface_env(info.master_addr, os.environ, info.local_rank,
                                        network.mode(env))
+        _export(pinned)  # before the pre-flight reports them and gloo/NCCL read them
         store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
                                     backend=backend, pinned=pinned)
     kwargs: dict[str, Any] = {}

@@ -13,8 +13,10 @@ interface it likes; both go wrong in ways that only show as a hang in
 
 The pre-flight (:mod:`hpc.bootstrap.preflight`) publishes what :func:`local_report`
 sees on each node to the store, and rank 0 runs :func:`check` on every node's report.
-Before that, :func:`pin_interface` sets ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
-when they are unset and exactly one interface of this node is on the master's subnet.
+Before that, :func:`interface_env` returns ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
+when they are unset and exactly one interface of this node is on the master's subnet;
+:func:`hpc.init_torch` exports them (:mod:`hpc.bootstrap.distributed` writes the
+environment) before the pre-flight and ``init_process_group``.
 
 ``HPC_NETWORK`` chooses: ``set`` (default) sets the variables, ``print`` only prints
 the ``export`` line on each node's local rank 0, ``off`` skips discovery and checks.
@@ -31,13 +33,13 @@ import logging
 import socket
 import struct
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["IFNAME_VARS", "MODES", "Address", "addresses", "check", "choose",
-           "local_report", "mode", "pin_interface"]
+           "interface_env", "local_report", "mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +113,22 @@ def choose(addrs: Sequence[Address], master_ip: str | None) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def pin_interface(master_addr: str | None, environ: MutableMapping[str, str],
+def interface_env(master_addr: str | None, environ: Mapping[str, str],
                   local_rank: int = 0, how: str = "set",
                   addrs: Sequence[Address] | None = None) -> dict[str, str]:
-    """Set the unset :data:`IFNAME_VARS` of ``environ`` to the one interface that
-    reaches the master.
+    """The unset :data:`IFNAME_VARS` of ``environ``, each naming the one interface that
+    reaches the master: what the caller exports (``environ`` is left alone).
 
-    ``how`` is :func:`mode`'s value: under ``print`` nothing is set and local rank 0
-    prints the ``export`` line instead; under ``off`` nothing happens. Returns the
-    variables set.
+    Args:
+        master_addr: The master's host name or address.
+        environ: The variables as they are now (a set one is never replaced).
+        local_rank: This rank on its node: local rank 0 prints under ``print``.
+        how: :func:`mode`'s value: under ``print`` nothing is returned and local rank 0
+            prints the ``export`` line instead; under ``off`` nothing happens.
+        addrs: This host's addresses (default :func:`addresses`).
+
+    Returns:
+        Variable -> interface; empty when none or several interfaces reach the master.
     """
     unset = [v for v in IFNAME_VARS if not environ.get(v)]
     if how == "off" or not unset:
@@ -135,7 +144,6 @@ def pin_interface(master_addr: str | None, environ: MutableMapping[str, str],
             print(f"hpc: the master {master_addr} ({master_ip}) is reachable over {name} "
                   f"only; to pin it: export {line}", file=sys.stderr, flush=True)
         return {}
-    environ.update(pins)
     logger.info("network: master %s (%s) is reachable over %s only: set %s",
                 master_addr, master_ip, name, line)
     return pins
@@ -145,7 +153,7 @@ def local_report(environ: Mapping[str, str], pinned: Mapping[str, str] | None = 
                  ) -> dict[str, Any]:
     """What rank 0 checks of this node: hostname, what it resolves to, addresses, the
     interface variables as this rank will use them, and whether the user set any
-    (``pinned``: those :func:`pin_interface` set)."""
+    (``pinned``: those :func:`interface_env` returned, and the caller set)."""
     host = socket.gethostname()
     ifnames = {v: environ[v] for v in IFNAME_VARS if environ.get(v)}
     return {"host": host, "resolved": _resolve(host), "addrs": addresses(),

@@ -86,8 +86,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
     ``backend`` is the backend this rank picked; rank 0 refuses a mix (None: unchecked).
     Each node's local rank 0 publishes its network (:mod:`hpc.bootstrap.network`;
-    ``pinned``: the interface variables :func:`~hpc.bootstrap.network.pin_interface`
-    set), and rank 0 refuses a multi-node run whose network is broken, unless
+    ``pinned``: the interface variables :func:`~hpc.bootstrap.network.interface_env`
+    returned and init set), and rank 0 refuses a multi-node run whose network is broken, unless
     ``HPC_NETWORK=off``.
     The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
     unique id through it, so what was left of the pre-flight window must not apply.

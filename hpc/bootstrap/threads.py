@@ -2,7 +2,7 @@
 
 Without ``OMP_NUM_THREADS`` every rank's torch starts one intra-op thread per core of
 the host; two ranks per node under ``srun`` then trained 11x slower on our test cluster
-than with one thread each. :func:`configure` (called by :func:`hpc.init_torch`) picks
+than with one thread each. :func:`plan` (called by :func:`hpc.init_torch`) picks
 
 * nothing, when ``OMP_NUM_THREADS`` is set (torch honours it);
 * under an srun step with ``SLURM_CPUS_PER_TASK``: that many (at most the CPUs this
@@ -12,7 +12,9 @@ than with one thread each. :func:`configure` (called by :func:`hpc.init_torch`) 
   CPUs divided by the node's ranks;
 * nothing for a single process;
 
-then exports ``OMP_NUM_THREADS`` (child processes, data-loader workers) and calls
+and returns ``OMP_NUM_THREADS`` for that count (:func:`thread_env`; child processes,
+data-loader workers), which :func:`hpc.init_torch` exports (:mod:`hpc.bootstrap.distributed`
+writes the environment) before :func:`set_torch_threads` calls
 ``torch.set_num_threads``. It warns when ``SLURM_CPUS_PER_TASK`` promises more CPUs than
 the task is bound to: srun of Slurm 22.05-23.02 does not inherit ``--cpus-per-task``
 from ``sbatch``/``salloc`` (``SRUN_CPUS_PER_TASK`` or ``srun -c`` fix it).
@@ -22,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Optional
 
 from hpc.environments import DistInfo
 from hpc.environments.slurm import in_step
 
-__all__ = ["configure", "plan_threads"]
+__all__ = ["plan", "plan_threads", "set_torch_threads", "thread_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,24 +74,36 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def configure(info: DistInfo, environ: Optional[Mapping[str, str]] = None,
-              export: Optional[MutableMapping[str, str]] = None) -> Optional[int]:
-    """Apply :func:`plan_threads` to this process; returns the count set (or None).
+def thread_env(threads: Optional[int]) -> dict[str, str]:
+    """The variables that hand ``threads`` on to child processes (pure):
+    ``OMP_NUM_THREADS``, or none when torch is left alone (``None``)."""
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+
+
+def plan(info: DistInfo, environ: Optional[Mapping[str, str]] = None
+         ) -> tuple[Optional[int], dict[str, str]]:
+    """:func:`plan_threads` for this process, its warnings logged.
 
     Args:
         info: This process's layout.
         environ: The launch variables (default ``os.environ``).
-        export: Where ``OMP_NUM_THREADS`` is written (default ``os.environ``).
+
+    Returns:
+        The thread count (None: leave torch alone) and :func:`thread_env` of it, for
+        the caller to export before :func:`set_torch_threads`.
     """
     env = os.environ if environ is None else environ
     threads, warnings = plan_threads(info, env, _usable_cpus(), os.cpu_count() or 1)
     for warning in warnings:
         logger.warning("%s", warning)
+    return threads, thread_env(threads)
+
+
+def set_torch_threads(threads: Optional[int]) -> None:
+    """``torch.set_num_threads(threads)``; nothing for None (torch left alone)."""
     if threads is None:
-        return None
+        return
     import torch
 
-    (os.environ if export is None else export)["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     logger.debug("%d CPU thread(s) per rank", threads)
-    return threads

@@ -1,4 +1,5 @@
-"""export_env: the one writer of torchrun-style variables."""
+"""torchrun_env: the torchrun-style variables of a layout (pure); export_env: writing
+them."""
 
 from __future__ import annotations
 
@@ -6,23 +7,42 @@ import dataclasses
 
 import pytest
 
-from hpc.bootstrap.distributed import EXPORTED, export_env
+from hpc.bootstrap.distributed import EXPORTED, export_env, torchrun_env
 from hpc.environments import detect
 from hpc.environments.base import DistInfo
 from hpc.errors import LaunchEnvironmentError
 
 INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
                 node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)
+LAYOUT = {"MASTER_ADDR": "node1", "MASTER_PORT": "15042", "RANK": "3", "WORLD_SIZE": "8",
+          "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "NODE_RANK": "0",
+          "NNODES": "2"}
 
+
+def test_torchrun_env_returns_the_layout_and_writes_nothing() -> None:
+    env = {"PATH": "/bin", "RANK": "3"}  # an equal value is no clash
+    assert torchrun_env(INFO, env) == LAYOUT
+    assert list(torchrun_env(INFO, {})) == list(EXPORTED)  # in torchrun's order
+    assert env == {"PATH": "/bin", "RANK": "3"}
+
+
+def test_torchrun_env_refuses_a_different_value_unless_overwrite() -> None:
+    with pytest.raises(LaunchEnvironmentError, match=r"WORLD_SIZE=4 \(set\) vs 8"):
+        torchrun_env(INFO, {"WORLD_SIZE": "4"})
+    assert torchrun_env(INFO, {"WORLD_SIZE": "4"}, overwrite=True) == LAYOUT
+
+
+def test_torchrun_env_leaves_out_what_the_layout_does_not_know() -> None:
+    values = torchrun_env(DistInfo(launcher="mpich", rank=1, world_size=2, local_rank=1,
+                                   local_world_size=2), {"MASTER_ADDR": "elsewhere"})
+    assert "MASTER_ADDR" not in values and "MASTER_PORT" not in values
+    assert values["RANK"] == "1"
 
 
 def test_export_env_sets_every_key() -> None:
     env: dict[str, str] = {"PATH": "/bin"}
     export_env(INFO, env)
-    assert env == {"PATH": "/bin", "MASTER_ADDR": "node1", "MASTER_PORT": "15042",
-                   "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                   "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "NODE_RANK": "0",
-                   "NNODES": "2"}
+    assert env == {"PATH": "/bin", **LAYOUT}
     assert set(EXPORTED) <= set(env)
     # what was exported reads back as the same layout
     again = detect(dict(env, TORCHELASTIC_RUN_ID="x"))

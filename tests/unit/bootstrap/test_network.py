@@ -34,23 +34,31 @@ def test_choose_nothing_when_routed_ambiguous_or_local() -> None:
     assert network.choose(NODE2, None) is None
 
 
-def test_pin_sets_only_unset_variables() -> None:
+def test_interface_env_returns_only_unset_variables() -> None:
     env = {"NCCL_SOCKET_IFNAME": "ib0"}
-    pins = network.pin_interface("10.200.0.11", env, addrs=NODE2)
-    assert pins == {"GLOO_SOCKET_IFNAME": "eth0"}
-    assert env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"}
-    assert network.pin_interface("10.200.0.11", env, addrs=NODE2) == {}  # both set now
+    assert network.interface_env("10.200.0.11", env, addrs=NODE2) == {
+        "GLOO_SOCKET_IFNAME": "eth0"}
+    assert env == {"NCCL_SOCKET_IFNAME": "ib0"}  # returned, not written
+    assert network.interface_env("10.200.0.11", {}, addrs=NODE2) == {
+        "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    both = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert network.interface_env("10.200.0.11", both, addrs=NODE2) == {}  # both set
+    # an empty value counts as unset, as before
+    assert network.interface_env("10.200.0.11", {"GLOO_SOCKET_IFNAME": ""},
+                                 addrs=NODE2) == {"GLOO_SOCKET_IFNAME": "eth0",
+                                                  "NCCL_SOCKET_IFNAME": "eth0"}
+    assert network.interface_env("192.168.1.1", {}, addrs=NODE2) == {}  # routed
 
 
-def test_pin_print_mode_prints_on_local_rank_0_and_sets_nothing(
+def test_interface_env_print_mode_prints_on_local_rank_0_and_returns_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     env: dict[str, str] = {}
-    assert network.pin_interface("10.200.0.11", env, 0, "print", addrs=NODE2) == {}
+    assert network.interface_env("10.200.0.11", env, 0, "print", addrs=NODE2) == {}
     assert env == {}
     assert "export GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in capsys.readouterr().err
-    network.pin_interface("10.200.0.11", env, 1, "print", addrs=NODE2)
+    assert network.interface_env("10.200.0.11", env, 1, "print", addrs=NODE2) == {}
     assert capsys.readouterr().err == ""
-    assert network.pin_interface("10.200.0.11", env, 0, "off", addrs=NODE2) == {}
+    assert network.interface_env("10.200.0.11", env, 0, "off", addrs=NODE2) == {}
 
 
 def test_mode_refuses_unknown_values() -> None:

@@ -1,4 +1,5 @@
-"""CPU threads per rank (issue 13 part 3): the pure plan, and configure on this process."""
+"""CPU threads per rank (issue 13 part 3): the pure plan, the variables it returns, and
+torch's count on this process."""
 
 from __future__ import annotations
 
@@ -60,17 +61,29 @@ def test_batch_script_cpus_per_task_is_not_a_step() -> None:
     assert plan_threads(detect(env), env, usable=1, host_cpus=64) == (None, ())
 
 
-def test_configure_sets_omp_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thread_env_carries_the_count() -> None:
+    assert threads.thread_env(4) == {"OMP_NUM_THREADS": "4"}
+    assert threads.thread_env(None) == {}  # torch left alone: nothing to export
+
+
+def test_plan_returns_omp_and_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads, "_usable_cpus", lambda: 1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = dict(STEP, SLURM_CPUS_PER_TASK="1")
+    assert threads.plan(detect(env), env) == (1, {"OMP_NUM_THREADS": "1"})
+    assert env == dict(STEP, SLURM_CPUS_PER_TASK="1")
+    assert "OMP_NUM_THREADS" not in os.environ  # distributed._export writes it
+    assert threads.plan(ONE, {}) == (None, {})
+
+
+def test_set_torch_threads() -> None:
     import torch
 
     before = torch.get_num_threads()
-    monkeypatch.setattr(threads, "_usable_cpus", lambda: 1)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    exported: dict[str, str] = {}
-    env = dict(STEP, SLURM_CPUS_PER_TASK="1")
     try:
-        assert threads.configure(detect(env), env, export=exported) == 1
-        assert exported == {"OMP_NUM_THREADS": "1"} and torch.get_num_threads() == 1
-        assert "OMP_NUM_THREADS" not in os.environ
+        threads.set_torch_threads(1)
+        assert torch.get_num_threads() == 1
+        threads.set_torch_threads(None)  # left alone
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
