@@ -7,12 +7,14 @@
 * :mod:`hpc.bootstrap.master` — the master address where the launcher gives none;
 * :mod:`hpc.bootstrap.preflight` — the pre-flight before init (all ranks joined, no GPU shared);
   under torchrun scoped by :mod:`hpc.bootstrap.attempt`, the attempt id all ranks share;
+  :mod:`hpc.bootstrap.network` finds the interface that reaches the master;
+* :mod:`hpc.bootstrap.backend` — the backend for the devices (``cpu:gloo,cuda:nccl``);
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
-* :mod:`hpc.watchdog.failure` — failure marks that name the rank that failed first;
-* :mod:`hpc.watchdog.monitor` — after init: the stuck-rank report, one failing rank
-  ends the job (with :mod:`hpc.watchdog.tracker`, the collective sequence numbers, and
-  :mod:`hpc.watchdog.report`, the report's text);
+* :mod:`hpc.bootstrap.threads` — CPU threads per rank (``SLURM_CPUS_PER_TASK``);
 * :mod:`hpc.bootstrap.shutdown` — at exit: destroy, abort or end the group, by what happened.
+
+After init, :mod:`hpc.watchdog` takes over (init starts its monitor and installs its
+failure marks); nothing there imports this room.
 
 Nothing here is imported by ``import hpc``; the public names are served by :mod:`hpc`.
 """
