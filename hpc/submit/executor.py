@@ -65,14 +65,18 @@ def field_parameters(options: SubmitOptions) -> dict[str, Any]:
     return out
 
 
-def marks_dir(log_dir: str | Path, job_id: str = "${SLURM_JOB_ID}",
-              restart: str = "${SLURM_RESTART_COUNT:-0}") -> str:
-    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``.
+def marks_dir(log_dir: str | Path, job_id: str, restart: int | str) -> Path:
+    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``,
+    absolute; the directory :class:`~hpc.submit.SubmittedJob` reads."""
+    return Path(log_dir).resolve() / str(job_id) / f"failures-{restart}"
 
-    With the defaults, the shell words the batch script expands; with a job id and a
-    restart count, the directory :class:`~hpc.submit.SubmittedJob` reads.
-    """
-    return f"{shlex.quote(str(Path(log_dir).resolve()))}/{job_id}/failures-{restart}"
+
+def _shell_marks_dir(log_dir: str | Path) -> str:
+    """:func:`marks_dir` as words of the batch script: the log dir quoted (it may hold a
+    space or a ``$``), the job id and the restart count left for the shell to expand."""
+    root = Path(log_dir).resolve()
+    run = marks_dir(root, "${SLURM_JOB_ID}", "${SLURM_RESTART_COUNT:-0}").relative_to(root)
+    return f"{shlex.quote(str(root))}/{run.as_posix()}"
 
 
 def make_executor(options: SubmitOptions) -> Any:
@@ -102,7 +106,7 @@ def make_executor(options: SubmitOptions) -> Any:
         slurm_additional_parameters={"signal": f"{sig}@{options.signal_delay_s}",
                                      "requeue": True, **parse_sbatch(options.sbatch)},
         # failure marks per run, so --wait names the rank that failed first by time
-        slurm_setup=[f'export HPC_ERROR_DIR={marks_dir(options.log_dir)}',
+        slurm_setup=[f'export HPC_ERROR_DIR={_shell_marks_dir(options.log_dir)}',
                      *(f"export {k}={shlex.quote(v)}" for k, v in env.items())],
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task from sbatch: pass it.
         slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"])

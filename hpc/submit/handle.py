@@ -92,7 +92,7 @@ class SubmittedJob:
         requeues: the ranks' marks name the rank that failed first by time."""
         from hpc.submit.executor import marks_dir
 
-        return Path(marks_dir(self.options.log_dir, self.job_id, str(restart)))
+        return marks_dir(self.options.log_dir, self.job_id, restart)
 
     def cancel(self, signal: str | None = None) -> None:
         """``scancel`` the job, or send ``signal`` to every task (``USR2``: requeue now)."""
