@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.errors import SubmitError
 from hpc.preempt.guard import parse_signal
-from hpc.submit.options import SubmitOptions, parse_sbatch
+from hpc.submit.options import SubmitOptions, field_parameters, marks_dir, parse_sbatch
 
 if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob
@@ -47,28 +47,6 @@ _CONSTRUCTOR = ("slurm_max_num_timeout", "slurm_python")
 #: Fields without a submitit parameter of their own: :func:`make_executor` composes them
 #: (the log folder, the exported variables, the signal and the extra sbatch options).
 COMPOSED = ("sbatch", "env", "log_dir", "signal", "array")
-
-
-def field_parameters(options: SubmitOptions) -> dict[str, Any]:
-    """Each field's submitit parameter (its ``submitit`` metadata) with the field's value.
-
-    A field marked ``omit_unset`` is left out when 0 or None (submitit's default applies).
-    """
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(options):
-        param = f.metadata["submitit"]
-        if param is None:
-            continue
-        value = getattr(options, f.metadata["submitit_from"] or f.name)
-        if not (f.metadata["omit_unset"] and not value):
-            out[param] = value
-    return out
-
-
-def marks_dir(log_dir: str | Path, job_id: str, restart: int | str) -> Path:
-    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``,
-    absolute; the directory :class:`~hpc.submit.SubmittedJob` reads."""
-    return Path(log_dir).resolve() / str(job_id) / f"failures-{restart}"
 
 
 def _shell_marks_dir(log_dir: str | Path) -> str:

@@ -2,9 +2,11 @@
 
 Each field is declared with :func:`option`: its ``hpc submit`` flag (type, default and
 help come from the field), the sbatch options it sets (refused in ``--sbatch``, see
-:data:`MANAGED`) and the submitit parameter it becomes (:func:`hpc.submit.make_executor`).
-A new ``hpc submit`` flag is one new field. :func:`parse_sbatch` validates extra sbatch
-options against this cluster's ``sbatch --help``.
+:data:`MANAGED`) and the submitit parameter it becomes (:func:`field_parameters`, which
+:func:`hpc.submit.make_executor` passes on). A new ``hpc submit`` flag is one new field.
+:func:`parse_sbatch` validates extra sbatch options against this cluster's ``sbatch
+--help``; :func:`marks_dir` is where a run's failure marks go under ``log_dir``, for the
+batch script that exports it and the :class:`~hpc.submit.SubmittedJob` that reads it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import math
 import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 from hpc.errors import PreemptError, SubmitError
 from hpc.preempt.guard import DEFAULT_SIGNAL, VALID_SIGNALS, parse_signal
 from hpc.preempt.requeue import DEFAULT_MAX_REQUEUES
 
-__all__ = ["MANAGED", "SubmitOptions", "option", "parse_sbatch", "parse_time",
-           "sbatch_long_options"]
+__all__ = ["MANAGED", "SubmitOptions", "field_parameters", "marks_dir", "option",
+           "parse_sbatch", "parse_time", "sbatch_long_options"]
 
 #: sbatch options that make no sense in a submission (they control the sbatch command).
 _NOT_JOB_OPTIONS = ("help", "usage", "version", "parsable", "wait", "quiet", "verbose",
@@ -304,3 +307,25 @@ def _managed() -> dict[str, str]:
 #: sbatch options ``hpc submit`` sets itself, with the option to use instead (from the
 #: fields' ``sbatch`` metadata, plus the ones it always sets).
 MANAGED = _managed()
+
+
+def field_parameters(options: SubmitOptions) -> dict[str, Any]:
+    """Each field's submitit parameter (its ``submitit`` metadata) with the field's value.
+
+    A field marked ``omit_unset`` is left out when 0 or None (submitit's default applies).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        param = f.metadata["submitit"]
+        if param is None:
+            continue
+        value = getattr(options, f.metadata["submitit_from"] or f.name)
+        if not (f.metadata["omit_unset"] and not value):
+            out[param] = value
+    return out
+
+
+def marks_dir(log_dir: str | Path, job_id: str, restart: int | str) -> Path:
+    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``,
+    absolute; the directory :class:`~hpc.submit.SubmittedJob` reads."""
+    return Path(log_dir).resolve() / str(job_id) / f"failures-{restart}"

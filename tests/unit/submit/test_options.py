@@ -1,16 +1,17 @@
-"""hpc.submit.options: SubmitOptions validation and the extra sbatch options."""
+"""hpc.submit.options: SubmitOptions, its validation and readers, extra sbatch options."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
 
 from hpc.errors import SubmitError
 from hpc.submit import SubmitOptions, parse_sbatch
-from hpc.submit.options import _SET_ALWAYS, MANAGED, parse_time
+from hpc.submit.options import _SET_ALWAYS, MANAGED, field_parameters, marks_dir, parse_time
 
 
 def test_options_reject_unknown_keywords_listing_the_valid_ones() -> None:
@@ -67,3 +68,19 @@ def test_managed_sbatch_options_come_from_the_fields() -> None:
         assert MANAGED[name] == " and ".join(flags)
     assert MANAGED["ntasks"] == "--nodes and --tasks-per-node"
     assert MANAGED["time"] == "--time" and MANAGED["output"] == "--log-dir"
+
+
+def test_field_parameters_map_the_fields() -> None:
+    assert field_parameters(SubmitOptions()) == {
+        "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "timeout_min": 60,
+        "name": "hpc", "slurm_signal_delay_s": 120, "slurm_max_num_timeout": 3,
+        "slurm_python": None}
+    params = field_parameters(SubmitOptions(gpus_per_node=2, partition="p"))
+    assert (params["gpus_per_node"], params["tasks_per_node"]) == (2, 2)
+    assert params["slurm_partition"] == "p"
+
+
+def test_marks_dir_is_the_real_directory_under_the_log_dir(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert marks_dir("my logs", "42", 1) == tmp_path.resolve() / "my logs" / "42" / "failures-1"
