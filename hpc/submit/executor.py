@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.errors import SubmitError
 from hpc.preempt.guard import parse_signal
-from hpc.submit.options import SubmitOptions, field_parameters, marks_dir, parse_sbatch
+from hpc.submit.options import (
+    SubmitOptions,
+    field_parameters,
+    job_dir,
+    marks_dir,
+    parse_sbatch,
+)
 
 if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob
@@ -67,7 +73,7 @@ def make_executor(options: SubmitOptions) -> Any:
                           "HINT: pip install 'torch-hpc[submit]' (or pip install submitit)."
                           ) from e
     sig = parse_signal(options.signal).name[3:]
-    folder = Path(options.log_dir).resolve() / "%j"
+    folder = job_dir(options.log_dir, "%j")
     params = field_parameters(options)
     try:
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm",

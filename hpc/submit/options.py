@@ -5,8 +5,9 @@ help come from the field), the sbatch options it sets (refused in ``--sbatch``, 
 :data:`MANAGED`) and the submitit parameter it becomes (:func:`field_parameters`, which
 :func:`hpc.submit.make_executor` passes on). A new ``hpc submit`` flag is one new field.
 :func:`parse_sbatch` validates extra sbatch options against this cluster's ``sbatch
---help``; :func:`marks_dir` is where a run's failure marks go under ``log_dir``, for the
-batch script that exports it and the :class:`~hpc.submit.SubmittedJob` that reads it.
+--help``; :func:`job_dir` and :func:`marks_dir` are where a job's files and a run's
+failure marks go under ``log_dir``, for the executor that writes them there and the
+:class:`~hpc.submit.SubmittedJob` that reads them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hpc.errors import PreemptError, SubmitError
 from hpc.preempt.guard import DEFAULT_SIGNAL, VALID_SIGNALS, parse_signal
 from hpc.preempt.requeue import DEFAULT_MAX_REQUEUES
 
-__all__ = ["MANAGED", "SubmitOptions", "field_parameters", "marks_dir", "option",
+__all__ = ["MANAGED", "SubmitOptions", "field_parameters", "job_dir", "marks_dir", "option",
            "parse_sbatch", "parse_time", "sbatch_long_options"]
 
 #: sbatch options that make no sense in a submission (they control the sbatch command).
@@ -325,7 +326,13 @@ def field_parameters(options: SubmitOptions) -> dict[str, Any]:
     return out
 
 
+def job_dir(log_dir: str | Path, job_id: str) -> Path:
+    """The job's folder, absolute: ``LOG_DIR/ID`` (its logs, submitit's pickles and
+    failure marks); ``job_id`` ``"%j"`` is the pattern submitit and sbatch fill in."""
+    return Path(log_dir).resolve() / str(job_id)
+
+
 def marks_dir(log_dir: str | Path, job_id: str, restart: int | str) -> Path:
     """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``,
     absolute; the directory :class:`~hpc.submit.SubmittedJob` reads."""
-    return Path(log_dir).resolve() / str(job_id) / f"failures-{restart}"
+    return job_dir(log_dir, job_id) / f"failures-{restart}"

@@ -11,7 +11,14 @@ import pytest
 
 from hpc.errors import SubmitError
 from hpc.submit import SubmitOptions, parse_sbatch
-from hpc.submit.options import _SET_ALWAYS, MANAGED, field_parameters, marks_dir, parse_time
+from hpc.submit.options import (
+    _SET_ALWAYS,
+    MANAGED,
+    field_parameters,
+    job_dir,
+    marks_dir,
+    parse_time,
+)
 
 
 def test_options_reject_unknown_keywords_listing_the_valid_ones() -> None:
@@ -80,7 +87,9 @@ def test_field_parameters_map_the_fields() -> None:
     assert params["slurm_partition"] == "p"
 
 
-def test_marks_dir_is_the_real_directory_under_the_log_dir(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_and_marks_dirs_are_real_directories_under_the_log_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert marks_dir("my logs", "42", 1) == tmp_path.resolve() / "my logs" / "42" / "failures-1"
+    logs = tmp_path.resolve() / "my logs"
+    assert job_dir("my logs", "%j") == logs / "%j"
+    assert marks_dir("my logs", "42", 1) == logs / "42" / "failures-1"
