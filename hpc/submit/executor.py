@@ -142,7 +142,7 @@ def submit(target: Any, args: Sequence[str] = (), *,
             refused the job.
     """
     opts = _merged(options, kwargs)
-    if opts.array:
+    if opts.is_array:
         raise SubmitError(f"submit() submits one job, but array={opts.array}.\n"
                           "HINT: call hpc.submit.executor.submit_array() for a job array.")
     fn, run_dir = _callable(target, args)
@@ -198,7 +198,7 @@ def submit_array(target: Any, args: Sequence[str] = (), *,
             ``{task}`` (every task would write the same checkpoints), or sbatch refused.
     """
     opts = _merged(options, kwargs)
-    if opts.array < 1:
+    if not opts.is_array:
         raise SubmitError(f"array={opts.array}: a job array needs at least 1 task.\n"
                           "HINT: pass array=N (hpc submit --array N), or call submit().")
     shared = _shared_run_dir(target)

@@ -260,6 +260,16 @@ class SubmitOptions:
             return self.tasks_per_node
         return self.gpus_per_node or 1
 
+    @property
+    def is_array(self) -> bool:
+        """True for a job array (``array`` >= 1), False for one plain job (``array`` 0).
+
+        The one place that decides: ``hpc submit`` picks :func:`~hpc.submit.submit` or
+        :func:`~hpc.submit.executor.submit_array` by it, and each refuses the other kind
+        by it. A negative ``array`` is no array; :meth:`validate` refuses it.
+        """
+        return self.array >= 1
+
     def validate(self) -> None:
         """Raise :class:`SubmitError` listing every impossible value with its fix."""
         problems = [f"{k}={getattr(self, k)} (must be >= 1)"

@@ -64,3 +64,18 @@ def test_array_refuses_one_run_directory_for_every_task_and_submit_refuses_array
         submit(PretrainConfig(out="runs/x"), array=2)
     with pytest.raises(SubmitError, match=r"array=-1 \(must be >= 0\)"):
         SubmitOptions(array=-1).validate()
+
+
+def test_a_negative_array_is_refused_as_invalid_not_sent_to_the_other_entry(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """submit() and hpc submit ask SubmitOptions.is_array: -1 is no array, and invalid."""
+    pytest.importorskip("submitit")
+    from hpc.errors import SubmitError
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.submit.cli import main
+    from hpc.submit.executor import submit
+
+    with pytest.raises(SubmitError, match=r"array=-1 \(must be >= 0\)"):
+        submit(PretrainConfig(out="runs/x"), array=-1)
+    assert main(["--array", "-1", "--", "-m", "json.tool"]) == 2
+    assert "array=-1 (must be >= 0)" in capsys.readouterr().err

@@ -44,6 +44,10 @@ def test_tasks_per_node_defaults_to_one_per_gpu() -> None:
     assert SubmitOptions(tasks_per_node=3).ntasks_per_node == 3
 
 
+def test_is_array_is_one_or_more_tasks() -> None:
+    assert [SubmitOptions(array=n).is_array for n in (-1, 0, 1, 4)] == [False, False, True, True]
+
+
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch")
 def test_sbatch_extras_are_validated_against_sbatch_help() -> None:
     assert parse_sbatch(["mail_type=END", "exclusive"]) == {"mail-type": "END",
