@@ -51,7 +51,8 @@ __all__ = ["for_task", "make_executor", "submit", "submit_array"]
 #: ``update_parameters``.
 _CONSTRUCTOR = ("slurm_max_num_timeout", "slurm_python")
 #: Fields without a submitit parameter of their own: :func:`make_executor` composes them
-#: (the log folder, the exported variables, the signal and the extra sbatch options).
+#: (the log folder, the exported variables, the signal and the extra sbatch options), and
+#: ``array`` becomes :func:`submit_array`'s one batch of submissions.
 COMPOSED = ("sbatch", "env", "log_dir", "signal", "array")
 
 
