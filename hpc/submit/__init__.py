@@ -1,6 +1,7 @@
 """Slurm jobs through submitit: submit, run on the nodes, watch, survive preemption.
 
-* :mod:`hpc.submit.options` — :class:`SubmitOptions` (the schema), extra sbatch options;
+* :mod:`hpc.submit.options` — :class:`SubmitOptions` (the schema) and its readers, extra
+  sbatch options;
 * :mod:`hpc.submit.executor` — :func:`submit` and the submitit executor;
 * :mod:`hpc.submit.cli` — the ``hpc submit`` command line;
 * :mod:`hpc.submit.payload` — what runs on every task of the job;

@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         kind, rest = split_target(args.cmd)
         target, targs = _target(kind, rest)
         options = _options(args, kind)
-        jobs = (submit_array(target, targs, options=options) if options.array
+        jobs = (submit_array(target, targs, options=options) if options.is_array
                 else [submit(target, targs, options=options)])
     except SubmitError as e:
         print(f"hpc submit: {e}", file=sys.stderr)

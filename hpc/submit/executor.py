@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.errors import SubmitError
 from hpc.preempt.guard import parse_signal
-from hpc.submit.options import SubmitOptions, parse_sbatch
+from hpc.submit.options import (
+    SubmitOptions,
+    field_parameters,
+    job_dir,
+    marks_dir,
+    parse_sbatch,
+)
 
 if TYPE_CHECKING:
     from hpc.submit.handle import SubmittedJob
@@ -45,34 +51,17 @@ __all__ = ["for_task", "make_executor", "submit", "submit_array"]
 #: ``update_parameters``.
 _CONSTRUCTOR = ("slurm_max_num_timeout", "slurm_python")
 #: Fields without a submitit parameter of their own: :func:`make_executor` composes them
-#: (the log folder, the exported variables, the signal and the extra sbatch options).
+#: (the log folder, the exported variables, the signal and the extra sbatch options), and
+#: ``array`` becomes :func:`submit_array`'s one batch of submissions.
 COMPOSED = ("sbatch", "env", "log_dir", "signal", "array")
 
 
-def field_parameters(options: SubmitOptions) -> dict[str, Any]:
-    """Each field's submitit parameter (its ``submitit`` metadata) with the field's value.
-
-    A field marked ``omit_unset`` is left out when 0 or None (submitit's default applies).
-    """
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(options):
-        param = f.metadata["submitit"]
-        if param is None:
-            continue
-        value = getattr(options, f.metadata["submitit_from"] or f.name)
-        if not (f.metadata["omit_unset"] and not value):
-            out[param] = value
-    return out
-
-
-def marks_dir(log_dir: str | Path, job_id: str = "${SLURM_JOB_ID}",
-              restart: str = "${SLURM_RESTART_COUNT:-0}") -> str:
-    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``.
-
-    With the defaults, the shell words the batch script expands; with a job id and a
-    restart count, the directory :class:`~hpc.submit.SubmittedJob` reads.
-    """
-    return f"{shlex.quote(str(Path(log_dir).resolve()))}/{job_id}/failures-{restart}"
+def _shell_marks_dir(log_dir: str | Path) -> str:
+    """:func:`marks_dir` as words of the batch script: the log dir quoted (it may hold a
+    space or a ``$``), the job id and the restart count left for the shell to expand."""
+    root = Path(log_dir).resolve()
+    run = marks_dir(root, "${SLURM_JOB_ID}", "${SLURM_RESTART_COUNT:-0}").relative_to(root)
+    return f"{shlex.quote(str(root))}/{run.as_posix()}"
 
 
 def make_executor(options: SubmitOptions) -> Any:
@@ -85,7 +74,7 @@ def make_executor(options: SubmitOptions) -> Any:
                           "HINT: pip install 'torch-hpc[submit]' (or pip install submitit)."
                           ) from e
     sig = parse_signal(options.signal).name[3:]
-    folder = Path(options.log_dir).resolve() / "%j"
+    folder = job_dir(options.log_dir, "%j")
     params = field_parameters(options)
     try:
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm",
@@ -102,7 +91,7 @@ def make_executor(options: SubmitOptions) -> Any:
         slurm_additional_parameters={"signal": f"{sig}@{options.signal_delay_s}",
                                      "requeue": True, **parse_sbatch(options.sbatch)},
         # failure marks per run, so --wait names the rank that failed first by time
-        slurm_setup=[f'export HPC_ERROR_DIR={marks_dir(options.log_dir)}',
+        slurm_setup=[f'export HPC_ERROR_DIR={_shell_marks_dir(options.log_dir)}',
                      *(f"export {k}={shlex.quote(v)}" for k, v in env.items())],
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task from sbatch: pass it.
         slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"])
@@ -154,7 +143,7 @@ def submit(target: Any, args: Sequence[str] = (), *,
             refused the job.
     """
     opts = _merged(options, kwargs)
-    if opts.array:
+    if opts.is_array:
         raise SubmitError(f"submit() submits one job, but array={opts.array}.\n"
                           "HINT: call hpc.submit.executor.submit_array() for a job array.")
     fn, run_dir = _callable(target, args)
@@ -210,7 +199,7 @@ def submit_array(target: Any, args: Sequence[str] = (), *,
             ``{task}`` (every task would write the same checkpoints), or sbatch refused.
     """
     opts = _merged(options, kwargs)
-    if opts.array < 1:
+    if not opts.is_array:
         raise SubmitError(f"array={opts.array}: a job array needs at least 1 task.\n"
                           "HINT: pass array=N (hpc submit --array N), or call submit().")
     shared = _shared_run_dir(target)

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from hpc.errors import SubmitError
 from hpc.submit import watch as jobwatch
+from hpc.submit.options import marks_dir
 
 __all__ = ["SubmittedJob"]
 
@@ -90,9 +91,7 @@ class SubmittedJob:
     def marks(self, restart: int = 0) -> Path:
         """The failure-mark directory (``HPC_ERROR_DIR``) of the run after ``restart``
         requeues: the ranks' marks name the rank that failed first by time."""
-        from hpc.submit.executor import marks_dir
-
-        return Path(marks_dir(self.options.log_dir, self.job_id, str(restart)))
+        return marks_dir(self.options.log_dir, self.job_id, restart)
 
     def cancel(self, signal: str | None = None) -> None:
         """``scancel`` the job, or send ``signal`` to every task (``USR2``: requeue now)."""

@@ -2,9 +2,12 @@
 
 Each field is declared with :func:`option`: its ``hpc submit`` flag (type, default and
 help come from the field), the sbatch options it sets (refused in ``--sbatch``, see
-:data:`MANAGED`) and the submitit parameter it becomes (:func:`hpc.submit.make_executor`).
-A new ``hpc submit`` flag is one new field. :func:`parse_sbatch` validates extra sbatch
-options against this cluster's ``sbatch --help``.
+:data:`MANAGED`) and the submitit parameter it becomes (:func:`field_parameters`, which
+:func:`hpc.submit.make_executor` passes on). A new ``hpc submit`` flag is one new field.
+:func:`parse_sbatch` validates extra sbatch options against this cluster's ``sbatch
+--help``; :func:`job_dir` and :func:`marks_dir` are where a job's files and a run's
+failure marks go under ``log_dir``, for the executor that writes them there and the
+:class:`~hpc.submit.SubmittedJob` that reads them.
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ import math
 import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 from hpc.errors import PreemptError, SubmitError
 from hpc.preempt.guard import DEFAULT_SIGNAL, VALID_SIGNALS, parse_signal
 from hpc.preempt.requeue import DEFAULT_MAX_REQUEUES
 
-__all__ = ["MANAGED", "SubmitOptions", "option", "parse_sbatch", "parse_time",
-           "sbatch_long_options"]
+__all__ = ["MANAGED", "SubmitOptions", "field_parameters", "job_dir", "marks_dir", "option",
+           "parse_sbatch", "parse_time", "sbatch_long_options"]
 
 #: sbatch options that make no sense in a submission (they control the sbatch command).
 _NOT_JOB_OPTIONS = ("help", "usage", "version", "parsable", "wait", "quiet", "verbose",
@@ -256,6 +260,16 @@ class SubmitOptions:
             return self.tasks_per_node
         return self.gpus_per_node or 1
 
+    @property
+    def is_array(self) -> bool:
+        """True for a job array (``array`` >= 1), False for one plain job (``array`` 0).
+
+        The one place that decides: ``hpc submit`` picks :func:`~hpc.submit.submit` or
+        :func:`~hpc.submit.executor.submit_array` by it, and each refuses the other kind
+        by it. A negative ``array`` is no array; :meth:`validate` refuses it.
+        """
+        return self.array >= 1
+
     def validate(self) -> None:
         """Raise :class:`SubmitError` listing every impossible value with its fix."""
         problems = [f"{k}={getattr(self, k)} (must be >= 1)"
@@ -304,3 +318,31 @@ def _managed() -> dict[str, str]:
 #: sbatch options ``hpc submit`` sets itself, with the option to use instead (from the
 #: fields' ``sbatch`` metadata, plus the ones it always sets).
 MANAGED = _managed()
+
+
+def field_parameters(options: SubmitOptions) -> dict[str, Any]:
+    """Each field's submitit parameter (its ``submitit`` metadata) with the field's value.
+
+    A field marked ``omit_unset`` is left out when 0 or None (submitit's default applies).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        param = f.metadata["submitit"]
+        if param is None:
+            continue
+        value = getattr(options, f.metadata["submitit_from"] or f.name)
+        if not (f.metadata["omit_unset"] and not value):
+            out[param] = value
+    return out
+
+
+def job_dir(log_dir: str | Path, job_id: str) -> Path:
+    """The job's folder, absolute: ``LOG_DIR/ID`` (its logs, submitit's pickles and
+    failure marks); ``job_id`` ``"%j"`` is the pattern submitit and sbatch fill in."""
+    return Path(log_dir).resolve() / str(job_id)
+
+
+def marks_dir(log_dir: str | Path, job_id: str, restart: int | str) -> Path:
+    """The job's ``HPC_ERROR_DIR`` (failure marks) for one run: ``LOG_DIR/ID/failures-N``,
+    absolute; the directory :class:`~hpc.submit.SubmittedJob` reads."""
+    return job_dir(log_dir, job_id) / f"failures-{restart}"

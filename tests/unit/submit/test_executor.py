@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import SubmitOptions, make_executor
-from hpc.submit.executor import COMPOSED, field_parameters
+from hpc.submit.executor import COMPOSED
 
 
 def test_executor_script_has_signal_requeue_kill_on_bad_exit_and_cpus(tmp_path: Path) -> None:
@@ -33,17 +33,6 @@ def test_every_field_reaches_submitit() -> None:
         assert (f.metadata["submitit"] is None) == (f.name in COMPOSED), (
             f"SubmitOptions.{f.name}: give it a submitit parameter or compose it in "
             "make_executor (and list it in COMPOSED)")
-
-
-def test_field_parameters_map_the_fields() -> None:
-    assert field_parameters(SubmitOptions()) == {
-        "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "timeout_min": 60,
-        "name": "hpc", "slurm_signal_delay_s": 120, "slurm_max_num_timeout": 3,
-        "slurm_python": None}
-    params = field_parameters(SubmitOptions(gpus_per_node=2, partition="p"))
-    assert (params["gpus_per_node"], params["tasks_per_node"]) == (2, 2)
-    assert params["slurm_partition"] == "p"
-
 
 
 def test_array_task_gets_its_own_run_directory_and_arguments() -> None:
@@ -75,3 +64,18 @@ def test_array_refuses_one_run_directory_for_every_task_and_submit_refuses_array
         submit(PretrainConfig(out="runs/x"), array=2)
     with pytest.raises(SubmitError, match=r"array=-1 \(must be >= 0\)"):
         SubmitOptions(array=-1).validate()
+
+
+def test_a_negative_array_is_refused_as_invalid_not_sent_to_the_other_entry(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """submit() and hpc submit ask SubmitOptions.is_array: -1 is no array, and invalid."""
+    pytest.importorskip("submitit")
+    from hpc.errors import SubmitError
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.submit.cli import main
+    from hpc.submit.executor import submit
+
+    with pytest.raises(SubmitError, match=r"array=-1 \(must be >= 0\)"):
+        submit(PretrainConfig(out="runs/x"), array=-1)
+    assert main(["--array", "-1", "--", "-m", "json.tool"]) == 2
+    assert "array=-1 (must be >= 0)" in capsys.readouterr().err

@@ -1,16 +1,24 @@
-"""hpc.submit.options: SubmitOptions validation and the extra sbatch options."""
+"""hpc.submit.options: SubmitOptions, its validation and readers, extra sbatch options."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
 
 from hpc.errors import SubmitError
 from hpc.submit import SubmitOptions, parse_sbatch
-from hpc.submit.options import _SET_ALWAYS, MANAGED, parse_time
+from hpc.submit.options import (
+    _SET_ALWAYS,
+    MANAGED,
+    field_parameters,
+    job_dir,
+    marks_dir,
+    parse_time,
+)
 
 
 def test_options_reject_unknown_keywords_listing_the_valid_ones() -> None:
@@ -34,6 +42,10 @@ def test_tasks_per_node_defaults_to_one_per_gpu() -> None:
     assert SubmitOptions(gpus_per_node=4).ntasks_per_node == 4
     assert SubmitOptions().ntasks_per_node == 1
     assert SubmitOptions(tasks_per_node=3).ntasks_per_node == 3
+
+
+def test_is_array_is_one_or_more_tasks() -> None:
+    assert [SubmitOptions(array=n).is_array for n in (-1, 0, 1, 4)] == [False, False, True, True]
 
 
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch")
@@ -67,3 +79,21 @@ def test_managed_sbatch_options_come_from_the_fields() -> None:
         assert MANAGED[name] == " and ".join(flags)
     assert MANAGED["ntasks"] == "--nodes and --tasks-per-node"
     assert MANAGED["time"] == "--time" and MANAGED["output"] == "--log-dir"
+
+
+def test_field_parameters_map_the_fields() -> None:
+    assert field_parameters(SubmitOptions()) == {
+        "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "timeout_min": 60,
+        "name": "hpc", "slurm_signal_delay_s": 120, "slurm_max_num_timeout": 3,
+        "slurm_python": None}
+    params = field_parameters(SubmitOptions(gpus_per_node=2, partition="p"))
+    assert (params["gpus_per_node"], params["tasks_per_node"]) == (2, 2)
+    assert params["slurm_partition"] == "p"
+
+
+def test_job_and_marks_dirs_are_real_directories_under_the_log_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    logs = tmp_path.resolve() / "my logs"
+    assert job_dir("my logs", "%j") == logs / "%j"
+    assert marks_dir("my logs", "42", 1) == logs / "42" / "failures-1"
