@@ -23,9 +23,9 @@ __all__ = ["add_parser", "main"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpc.submit import watch
+    from hpc.watchdog import failure
 
-    lines = watch.describe_failure([Path(p) for p in args.log], args.dir)
+    lines = failure.describe_failure([Path(p) for p in args.log], args.dir)
     if not lines:
         print(f"hpc: no failure marks in {args.dir} and no srun errors in the logs",
               file=sys.stderr)

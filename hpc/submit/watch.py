@@ -1,5 +1,6 @@
 """Watching a Slurm job from outside: state and requeue history (``sacct``), log
-following, and a failure summary that names the rank that failed first.
+following, and a failure summary (the rank that failed first comes from
+:mod:`hpc.watchdog.failure`, which the batch templates use too).
 
 Torch- and submitit-free; used by ``hpc submit --wait`` and
 :class:`hpc.submit.SubmittedJob`.
@@ -8,7 +9,6 @@ Torch- and submitit-free; used by ``hpc submit --wait`` and
 from __future__ import annotations
 
 import dataclasses
-import re
 import subprocess
 import sys
 import time
@@ -24,7 +24,6 @@ __all__ = [
     "current",
     "exit_status",
     "failure_summary",
-    "first_by_marks",
     "follow",
     "history",
     "is_terminal",
@@ -34,9 +33,6 @@ __all__ = [
 #: States after which the job never runs again (sacct spelling, first word).
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
             "BOOT_FAIL", "DEADLINE")
-_SRUN_ERROR = re.compile(r"srun: error: (?P<node>[\w.-]+): tasks? (?P<tasks>[\d,\-]+): "
-                         r"(?P<what>.+)")
-_STEPD = re.compile(r"\*\*\* (?:JOB|STEP) [\d.]+ ON \S+ CANCELLED AT \S+(?P<why>.*?)\*\*\*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,77 +102,11 @@ def exit_status(run: Run) -> int:
     return number or (128 + signum if signum else 1)
 
 
-def _ranks(tasks: str) -> str:
-    word = "ranks" if ("," in tasks or "-" in tasks) else "rank"
-    return f"{word} {tasks}"
-
-
-def _expand(tasks: str) -> list[int]:
-    """``0-2,5`` -> ``[0, 1, 2, 5]``."""
-    out: list[int] = []
-    for part in tasks.split(","):
-        low, _, high = part.partition("-")
-        if low.isdigit() and (not high or high.isdigit()):
-            out.extend(range(int(low), int(high or low) + 1))
-    return out
-
-
-def first_by_marks(marks: str | Path | None, failed: Sequence[int] = ()) -> str | None:
-    """``rank 1 on node2 (pid 42) at 12:00:01.234: <message>``: the rank whose failure
-    began first by the failure marks in ``marks`` (:func:`hpc.watchdog.failure.first_failure`
-    with ``failed``, the ranks srun reported in its order), or None when there is none.
-
-    None too when srun's first failed rank left no mark: killed by a signal (SIGKILL, the
-    OOM killer), it ran no Python to write one, and srun saw its exit first.
-    """
-    if not marks or (failed and failure.read_mark(str(marks), failed[0]) is None):
-        return None
-    first = failure.first_failure(str(marks), dict.fromkeys(failed))
-    if first is None:
-        return None
-    where = f" on {first.host}" if first.host else ""
-    pid = f" (pid {first.pid})" if first.pid else ""
-    when = time.strftime("%H:%M:%S", time.localtime(first.began)) + f"{first.began % 1:.3f}"[1:]
-    return f"rank {first.rank}{where}{pid} at {when}: {first.message.splitlines()[-1]}"
-
-
-def describe_failure(logs: Sequence[Path], marks: str | Path | None = None) -> list[str]:
-    """``first failure: ...`` and srun's error lines, from the job's output files and
-    its failure marks (``marks``: the run's ``HPC_ERROR_DIR``).
-
-    The first failure comes from the marks when there are any: srun prints ``srun:
-    error: node2: task 3: Killed`` in the order it learns of the exits, and a rank that
-    failed first but took long to exit comes later there. Without marks (or when srun's
-    first failed rank has none, see :func:`first_by_marks`), srun's first line is taken.
-    """
-    found: list[str] = []
-    tasks: list[int] = []
-    for path in logs:
-        try:
-            text = Path(path).read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            m = _SRUN_ERROR.search(line)
-            if m:
-                found.append(f"{_ranks(m['tasks'])} on {m['node']}: {m['what'].strip()}")
-                tasks.extend(_expand(m["tasks"]))
-            s = _STEPD.search(line)
-            if s and s["why"].strip():
-                found.append(f"slurm: cancelled{s['why'].rstrip()}")
-    first = first_by_marks(marks, tasks)
-    if first is not None:
-        return [f"first failure: {first} (by the failure marks in {marks})",
-                *(f"  srun: {f}" for f in dict.fromkeys(found))]
-    if found:
-        return [f"first failure: {found[0]}", *(f"  then: {f}" for f in dict.fromkeys(found[1:]))]
-    return []
-
-
 def failure_summary(run: Run, logs: Sequence[Path], marks: str | Path | None = None) -> str:
-    """Why a finished job failed: its state and ``describe_failure``'s lines."""
+    """Why a finished job failed: its state and
+    :func:`~hpc.watchdog.failure.describe_failure`'s lines."""
     return "\n".join([f"job {run.job_id} {run.state} (exit code {run.exit_code or '?'})",
-                      *describe_failure(logs, marks)])
+                      *failure.describe_failure(logs, marks)])
 
 
 def wait(job_id: str, timeout: float | None = None, poll: float = 2.0,

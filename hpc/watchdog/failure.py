@@ -27,17 +27,18 @@ import dataclasses
 import faulthandler
 import json
 import os
+import re
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["GENERIC_MESSAGE", "FirstFailure", "failed", "first_failure", "install",
-           "note_failure", "read_mark", "watch", "write_mark"]
+__all__ = ["GENERIC_MESSAGE", "FirstFailure", "describe_failure", "failed", "first_by_marks",
+           "first_failure", "install", "note_failure", "read_mark", "watch", "write_mark"]
 
 #: The message of a mark written at exit (any exit: the launcher reads it only for
 #: ranks that failed, or that are still exiting when it chooses the root cause).
@@ -225,3 +226,75 @@ def first_failure(directory: str, failed: Mapping[int, float | None],
             best = FirstFailure(rank, began, mark[1] if mark else GENERIC_MESSAGE, host, pid,
                                 rank not in failed)
     return best
+
+
+_SRUN_ERROR = re.compile(r"srun: error: (?P<node>[\w.-]+): tasks? (?P<tasks>[\d,\-]+): "
+                         r"(?P<what>.+)")
+_STEPD = re.compile(r"\*\*\* (?:JOB|STEP) [\d.]+ ON \S+ CANCELLED AT \S+(?P<why>.*?)\*\*\*")
+
+
+def _ranks(tasks: str) -> str:
+    word = "ranks" if ("," in tasks or "-" in tasks) else "rank"
+    return f"{word} {tasks}"
+
+
+def _expand(tasks: str) -> list[int]:
+    """``0-2,5`` -> ``[0, 1, 2, 5]``."""
+    out: list[int] = []
+    for part in tasks.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (not high or high.isdigit()):
+            out.extend(range(int(low), int(high or low) + 1))
+    return out
+
+
+def first_by_marks(marks: str | Path | None, failed: Sequence[int] = ()) -> str | None:
+    """``rank 1 on node2 (pid 42) at 12:00:01.234: <message>``: the rank whose failure
+    began first by the failure marks in ``marks`` (:func:`first_failure`
+    with ``failed``, the ranks srun reported in its order), or None when there is none.
+
+    None too when srun's first failed rank left no mark: killed by a signal (SIGKILL, the
+    OOM killer), it ran no Python to write one, and srun saw its exit first.
+    """
+    if not marks or (failed and read_mark(str(marks), failed[0]) is None):
+        return None
+    first = first_failure(str(marks), dict.fromkeys(failed))
+    if first is None:
+        return None
+    where = f" on {first.host}" if first.host else ""
+    pid = f" (pid {first.pid})" if first.pid else ""
+    when = time.strftime("%H:%M:%S", time.localtime(first.began)) + f"{first.began % 1:.3f}"[1:]
+    return f"rank {first.rank}{where}{pid} at {when}: {first.message.splitlines()[-1]}"
+
+
+def describe_failure(logs: Sequence[Path], marks: str | Path | None = None) -> list[str]:
+    """``first failure: ...`` and srun's error lines, from the job's output files and
+    its failure marks (``marks``: the run's ``HPC_ERROR_DIR``).
+
+    The first failure comes from the marks when there are any: srun prints ``srun:
+    error: node2: task 3: Killed`` in the order it learns of the exits, and a rank that
+    failed first but took long to exit comes later there. Without marks (or when srun's
+    first failed rank has none, see :func:`first_by_marks`), srun's first line is taken.
+    """
+    found: list[str] = []
+    tasks: list[int] = []
+    for path in logs:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = _SRUN_ERROR.search(line)
+            if m:
+                found.append(f"{_ranks(m['tasks'])} on {m['node']}: {m['what'].strip()}")
+                tasks.extend(_expand(m["tasks"]))
+            s = _STEPD.search(line)
+            if s and s["why"].strip():
+                found.append(f"slurm: cancelled{s['why'].rstrip()}")
+    first = first_by_marks(marks, tasks)
+    if first is not None:
+        return [f"first failure: {first} (by the failure marks in {marks})",
+                *(f"  srun: {f}" for f in dict.fromkeys(found))]
+    if found:
+        return [f"first failure: {found[0]}", *(f"  then: {f}" for f in dict.fromkeys(found[1:]))]
+    return []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import SubmitOptions, SubmittedJob, make_executor
-from hpc.submit import watch as jobwatch
+from hpc.watchdog import failure
 
 
 def _exported_marks_dir(options: SubmitOptions, job_id: str, restart: int) -> str:
@@ -43,4 +43,4 @@ def test_wait_reads_the_failure_marks_where_the_batch_script_puts_them(
 
     Path(exported).mkdir(parents=True)
     failure.write_mark(exported, 3, "RuntimeError: rank 3 broke first", 1_000_000_001.0)
-    assert "rank 3 broke first" in (jobwatch.first_by_marks(job.marks(1)) or "")
+    assert "rank 3 broke first" in (failure.first_by_marks(job.marks(1)) or "")
