@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import SubmitOptions, SubmittedJob, make_executor
-from hpc.watchdog import failure
 
 
 def _exported_marks_dir(options: SubmitOptions, job_id: str, restart: int) -> str:
