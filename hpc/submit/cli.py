@@ -16,6 +16,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from hpc.cli.main import subcommand
 from hpc.errors import SubmitError
 from hpc.submit.options import SubmitOptions
 
@@ -192,9 +193,4 @@ def _strict(p: argparse.ArgumentParser) -> None:
     p.parse_known_args = strict  # type: ignore[method-assign]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpc.submit ARGS``: the same as ``hpc submit ARGS``."""
-    parser = argparse.ArgumentParser(prog="hpc submit", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _build(parser)
-    return _run(parser.parse_args(argv))
+main = subcommand(add_parser)
