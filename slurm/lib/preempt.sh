@@ -25,17 +25,17 @@
 # Before the step: export HPC_REQUEUE_MARKER (and, with --stop-file, HPC_STOP_FILE),
 # remove what an earlier run of this job left there, and trap TERM and USR2.
 hpc_preempt_setup() {
-    HPC_PREEMPT_STOP_FILE=0
+    hpc_preempt_stop_file=0
     case "${1:-}" in
         "") ;;
-        --stop-file) HPC_PREEMPT_STOP_FILE=1 ;;
+        --stop-file) hpc_preempt_stop_file=1 ;;
         *) echo "hpc: hpc_preempt_setup got '$1', expected no argument or --stop-file" >&2
            return 2 ;;
     esac
     local dir=${SLURM_SUBMIT_DIR:-$PWD}
     export HPC_REQUEUE_MARKER="$dir/.hpc-requeue-${SLURM_JOB_ID}"
     rm -f "$HPC_REQUEUE_MARKER"
-    if [ "$HPC_PREEMPT_STOP_FILE" = 1 ]; then
+    if [ "$hpc_preempt_stop_file" = 1 ]; then
         export HPC_STOP_FILE="$dir/.hpc-stop-${SLURM_JOB_ID}"
         rm -f "$HPC_STOP_FILE"
     fi
@@ -45,7 +45,7 @@ hpc_preempt_setup() {
 
 # The trap: the shell goes on waiting; with the stop file, the ranks learn of the signal.
 hpc_preempt_signal() {
-    if [ "$HPC_PREEMPT_STOP_FILE" = 1 ]; then
+    if [ "$hpc_preempt_stop_file" = 1 ]; then
         echo "$1" > "$HPC_STOP_FILE"
         echo "hpc: batch shell got SIG$1: told the ranks ($HPC_STOP_FILE)" >&2
     else
@@ -57,7 +57,7 @@ hpc_preempt_signal() {
 # while it runs. Sets RC to the step's exit status; removes the stop file.
 hpc_preempt_wait() {
     until wait "$1"; RC=$?; ! kill -0 "$1" 2>/dev/null; do :; done
-    if [ "$HPC_PREEMPT_STOP_FILE" = 1 ]; then rm -f "$HPC_STOP_FILE"; fi
+    if [ "$hpc_preempt_stop_file" = 1 ]; then rm -f "$HPC_STOP_FILE"; fi
 }
 
 # After the step: requeue the job named in the marker (rank 0 writes it when it has no
