@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "envvars.rst"
 EXTERNAL_MARKER = ".. test_docs_envvars: the variables below are read by other tools"
-SCRIPTS = [*sorted((ROOT / "bin").glob("*")), *sorted((ROOT / "slurm").glob("*")),
+SCRIPTS = [*sorted((ROOT / "bin").glob("*")), *sorted((ROOT / "slurm").rglob("*")),
            *sorted((ROOT / ".ci").glob("*")), *sorted((ROOT / "bench").glob("*.py")),
            ROOT / "tests" / "helpers.py", ROOT / "tests" / "conftest.py",
            ROOT / "docs" / "conf.py"]
