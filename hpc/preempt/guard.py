@@ -107,8 +107,9 @@ class PreemptGuard:
     preemption's SIGTERM waits, pending, until here).
 
     The guard also asks for the stop when the stop file exists (``stop_file``, default
-    ``HPC_STOP_FILE``; the templates in ``slurm/`` set it and write it when their batch
-    shell gets the signal); its text may name the signal (``TERM``).
+    ``HPC_STOP_FILE``; ``slurm/torchrun.sbatch`` and ``slurm/mpirun.sbatch`` set it and
+    write it when their batch shell gets the signal); its text may name the signal
+    (``TERM``).
 
     Args:
         signame: The signal, or a comma-separated list (default

@@ -34,7 +34,7 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
                                     which real preemption sends)
 ``HPC_REQUEUE_MARKER``              a file the batch shell watches: where ``scontrol`` is
                                     missing the master writes the job to requeue there
-                                    (set by ``slurm/*.sbatch``)
+                                    (set by ``slurm/lib/preempt.sh``)
 ``HPC_STOP_FILE``                   a file the guard looks for (at most every 0.5 s): the
                                     batch shells of ``slurm/torchrun.sbatch`` and
                                     ``slurm/mpirun.sbatch`` write the signal they got
