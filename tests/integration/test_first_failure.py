@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, require_slurm, run_group, script, slurm_env
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import run_group
+from tests.helpers.slurm import require_slurm, slurm_env
 from tests.integration.test_network import job  # noqa: F401 - the fixture
 from tests.integration.test_slurm import sbatch
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, require, run_group, script
-from tests.integration.mpi_env import launcher
+from tests.helpers.mpi import launcher
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run, run_group
+from tests.helpers.requires import require
 
 DEMO = [sys.executable, "-m", "hpc", "demo"]
 LINE = re.compile(r"DEMO rank=(\d+) world=(\d+) local=(\d+)/(\d+) node=(\d+)/(\d+) host=(\S+) "

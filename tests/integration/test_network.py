@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import require, require_slurm, script, slurm_env
+from tests.helpers.paths import script
+from tests.helpers.requires import require
+from tests.helpers.slurm import require_slurm, slurm_env
 from tests.integration.test_slurm import run
 
 pytestmark = pytest.mark.slurm

@@ -34,8 +34,10 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import watch as jobwatch
-from tests.helpers import ROOT, in_ci, require_slurm, sbatch_wait, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.requires import in_ci
+from tests.helpers.slurm import require_slurm, sbatch_wait, slurm_env
+from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
 torch = pytest.importorskip("torch")

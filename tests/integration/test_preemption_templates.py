@@ -27,8 +27,10 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import watch as jobwatch
-from tests.helpers import ROOT, require, sbatch_wait, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.requires import require
+from tests.helpers.slurm import sbatch_wait, slurm_env
+from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
 torch = pytest.importorskip("torch")

@@ -37,10 +37,13 @@ import pytest
 
 from hpc.environments import detect
 from hpc.environments.base import derive_port
-from tests.helpers import ROOT, require, require_slurm, run_group, sbatch_wait, script, slurm_env
-from tests.integration.mpi_env import launcher, no_mpi4py
+from tests.helpers.envdumps import parse_dump, parse_header
+from tests.helpers.mpi import launcher, no_mpi4py
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import run_group
+from tests.helpers.requires import require
+from tests.helpers.slurm import require_slurm, sbatch_wait, slurm_env
 from tests.integration.test_launchers import check_demo
-from tests.unit.envdumps import parse_dump, parse_header
 
 pytestmark = pytest.mark.slurm
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import script, slurm_env
+from tests.helpers.paths import script
+from tests.helpers.slurm import slurm_env
 from tests.integration import test_slurm
 from tests.integration.test_slurm import PY, run, sbatch
 

@@ -4,7 +4,7 @@ Every job is 2 nodes x 2 tasks (``--gpus-per-node 2``, fake GPUs, gloo on CPU) r
 tiny pretrain (2 epochs x 11 steps, checkpoint every 3 steps). One uninterrupted run is
 the reference; preempted runs must end with bitwise-identical weights and a metrics.csv
 holding each step exactly once. A step hook (``HPC_STEP_HOOK``, see
-tests/integration/step_hooks.py) slows the first run of a job so a signal lands mid-run;
+tests/helpers/step_hooks.py) slows the first run of a job so a signal lands mid-run;
 sleeping does not change the math.
 
 Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_submit.py``
@@ -26,8 +26,10 @@ from typing import Any, Optional
 import pytest
 
 from tests.conftest import LAUNCHER_VARS
-from tests.helpers import ROOT, in_ci, require_slurm, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.requires import in_ci
+from tests.helpers.slurm import require_slurm, slurm_env
+from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
 

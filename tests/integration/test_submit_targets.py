@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, kill_group, require_slurm, run_group, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import kill_group, run_group
+from tests.helpers.slurm import require_slurm, slurm_env
+from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
 

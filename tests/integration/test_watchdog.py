@@ -21,16 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    ROOT,
-    clean_env,
-    hpc_run,
-    require,
-    require_slurm,
-    script,
-    slurm_env,
-)
-from tests.integration.mpi_env import launcher
+from tests.helpers.mpi import launcher
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run
+from tests.helpers.requires import require
+from tests.helpers.slurm import require_slurm, slurm_env
 
 PG_TIMEOUT = 10
 #: A job must end within the collective timeout plus this (the issue's bound).

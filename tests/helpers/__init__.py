@@ -1,0 +1,12 @@
+"""What the test modules share, one module per concern.
+
+* :mod:`tests.helpers.paths`: the repository root and ``tests/integration/scripts``;
+* :mod:`tests.helpers.requires`: skip (fail under ``HPC_CI=1``) when a tool is missing;
+* :mod:`tests.helpers.processes`: real subprocesses with a timeout that kills the whole
+  process group, ``hpc run`` among them;
+* :mod:`tests.helpers.mpi`: Open MPI / MPICH launcher environments, with or without mpi4py;
+* :mod:`tests.helpers.slurm`: the local test cluster: its environment, ``sbatch --wait``;
+* :mod:`tests.helpers.step_hooks`: the ``HPC_STEP_HOOK`` that slows a job's first runs
+  (the nodes import it by name);
+* :mod:`tests.helpers.envdumps`: the captured launch environments in ``tests/fixtures/env/``.
+"""

@@ -1,0 +1,69 @@
+"""The local Slurm test cluster (``bin/hpc-testcluster up``) as the tests use it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.processes import clean_env
+from tests.helpers.requires import in_ci, require
+
+
+def require_slurm() -> None:
+    """Skip (fail in CI) unless the local test cluster answers with two idle nodes."""
+    require("sbatch", "Slurm client (bin/hpc-testcluster up installs it)")
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False,
+                             capture_output=True,
+                             text=True, timeout=20).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    nodes = [line.split() for line in out.splitlines() if line.strip()]
+    if len(nodes) < 2:
+        msg = f"no 2-node Slurm cluster answering (sinfo: {out.strip() or 'nothing'}); run bin/hpc-testcluster up"
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    """Environment for sbatch/srun from tests: this venv first on PATH, root-safe MPI."""
+    env = clean_env(**extra)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("HPC_PYTHON", sys.executable)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+def sbatch_wait(args: Sequence[str], workdir: Path, *, timeout: float = 240,
+                env: dict[str, str] | None = None) -> tuple[int, int, str]:
+    """``sbatch --wait ARGS`` from ``workdir``; returns (job id, exit code, output file text).
+
+    The job's output goes to ``workdir/slurm-<id>.out`` unless ARGS set ``--output``.
+    On a timeout the job is cancelled before the error propagates.
+    """
+    proc = subprocess.Popen(["sbatch", "--wait", "--parsable", *args], cwd=workdir,
+                            env=env or slurm_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    job_id = ""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        job_id = out.strip().split(";")[0]
+        if job_id:
+            subprocess.run(["scancel", job_id], check=False, timeout=20)
+        raise
+    job_id = out.strip().split(";")[0].splitlines()[0] if out.strip() else ""
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch failed (rc {proc.returncode}): {err}")
+    outputs = sorted(workdir.glob(f"*{job_id}*.out"))
+    text = "\n".join(p.read_text(errors="replace") for p in outputs)
+    return int(job_id), proc.returncode, text
