@@ -4,6 +4,7 @@
 * :mod:`tests.helpers.requires`: skip (fail under ``HPC_CI=1``) when a tool is missing;
 * :mod:`tests.helpers.processes`: real subprocesses with a timeout that kills the whole
   process group, ``hpc run`` among them;
+* :mod:`tests.helpers.demo`: what ``python -m hpc demo`` prints under a launcher, checked;
 * :mod:`tests.helpers.mpi`: Open MPI / MPICH launcher environments, with or without mpi4py;
 * :mod:`tests.helpers.slurm`: the local test cluster: its environment, ``sbatch --wait``;
 * :mod:`tests.helpers.step_hooks`: the ``HPC_STEP_HOOK`` that slows a job's first runs

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.demo import DEMO, check_demo
 from tests.helpers.mpi import launcher, no_mpi4py
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import clean_env, run_group
 from tests.helpers.requires import require
-from tests.integration.test_launchers import DEMO, check_demo
 
 pytest.importorskip("mpi4py")
 

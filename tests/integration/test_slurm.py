@@ -37,18 +37,17 @@ import pytest
 
 from hpc.environments import detect
 from hpc.environments.base import derive_port
+from tests.helpers.demo import DEMO, check_demo
 from tests.helpers.envdumps import parse_dump, parse_header
 from tests.helpers.mpi import launcher, no_mpi4py
 from tests.helpers.paths import ROOT, script
 from tests.helpers.processes import run_group
 from tests.helpers.requires import require
 from tests.helpers.slurm import require_slurm, sbatch_wait, slurm_env
-from tests.integration.test_launchers import check_demo
 
 pytestmark = pytest.mark.slurm
 
 PY = sys.executable
-DEMO = [PY, "-m", "hpc", "demo"]
 NODES = ["node1", "node2"]
 # Minutes: a stuck job cannot outlive the test run by much. Not 2: pretrain.sbatch asks
 # for USR2 120 s before the limit, which would kill the demo (no handler) at once.
