@@ -6,8 +6,12 @@
   process group, ``hpc run`` among them;
 * :mod:`tests.helpers.demo`: what ``python -m hpc demo`` prints under a launcher, checked;
 * :mod:`tests.helpers.mpi`: Open MPI / MPICH launcher environments, with or without mpi4py;
-* :mod:`tests.helpers.slurm`: the local test cluster: its environment, ``sbatch --wait``;
+* :mod:`tests.helpers.slurm`: the local test cluster: its environment, ``srun``/``salloc``
+  and ``sbatch --wait`` under a time limit and a job name;
 * :mod:`tests.helpers.step_hooks`: the ``HPC_STEP_HOOK`` that slows a job's first runs
   (the nodes import it by name);
 * :mod:`tests.helpers.envdumps`: the captured launch environments in ``tests/fixtures/env/``.
+
+The fixtures several modules share (``cluster``, ``job``) are in
+``tests/integration/conftest.py``.
 """

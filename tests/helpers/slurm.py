@@ -10,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import clean_env
+from tests.helpers.processes import clean_env, run_group
 from tests.helpers.requires import in_ci, require
+
+#: The time limit run() and sbatch() give every job, in minutes: a stuck job cannot
+#: outlive the test run by much. Not 2: pretrain.sbatch asks for USR2 120 s before the
+#: limit, which would kill a payload without a handler (the demo) at once.
+LIMIT = "--time=3"
 
 
 def require_slurm() -> None:
@@ -67,3 +72,21 @@ def sbatch_wait(args: Sequence[str], workdir: Path, *, timeout: float = 240,
     outputs = sorted(workdir.glob(f"*{job_id}*.out"))
     text = "\n".join(p.read_text(errors="replace") for p in outputs)
     return int(job_id), proc.returncode, text
+
+
+def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
+        timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """``srun``/``salloc`` ARGV as job ``name`` (the ``job`` fixture) under :data:`LIMIT`,
+    from ``tmp``; a timeout kills the client and its process group."""
+    require(argv[0], "Slurm client")
+    full = [argv[0], f"--job-name={name}", LIMIT, *argv[1:]]
+    return run_group(full, timeout=timeout, cwd=tmp, env=env)
+
+
+def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None = None,
+           timeout: float = 100) -> tuple[int, int, str]:
+    """``sbatch --wait`` ARGS as job ``name`` under :data:`LIMIT`, run from and writing its
+    output to ``tmp``: (job id, exit code, output)."""
+    return sbatch_wait([f"--job-name={name}", LIMIT, f"--chdir={tmp}",
+                        f"--output={tmp}/%x-%j.out", *args], tmp,
+                       timeout=timeout, env=env or slurm_env())

@@ -28,7 +28,7 @@ import pytest
 from tests.conftest import LAUNCHER_VARS
 from tests.helpers.paths import ROOT
 from tests.helpers.requires import in_ci
-from tests.helpers.slurm import require_slurm, slurm_env
+from tests.helpers.slurm import slurm_env
 from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
@@ -56,11 +56,6 @@ TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs
 LAYOUT = dict(nodes=2, gpus_per_node=2, time_min=5, signal_delay_s=60)
 ENV = {"OMP_NUM_THREADS": "1"}  # the same in every run: the reference must match bitwise
 SLOW_FIRST_RUN = slowed(0.5, runs=1)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    require_slurm()
 
 
 @pytest.fixture

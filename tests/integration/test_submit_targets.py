@@ -26,7 +26,7 @@ import pytest
 
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import kill_group, run_group
-from tests.helpers.slurm import require_slurm, slurm_env
+from tests.helpers.slurm import slurm_env
 from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
@@ -36,11 +36,6 @@ pytest.importorskip("submitit")  # in the test extra; a skip fails under HPC_CI 
 CPU_LAYOUT = ["-N", "2", "-G", "0", "--tasks-per-node", "2", "--time", "3"]
 TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs", "2",
              "--recal-samples", "64", "--ckpt-every", "3", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    require_slurm()
 
 
 def _cancel(text: str) -> None:
