@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from hpc.submit import watch as jobwatch
 from tests.helpers.processes import clean_env, run_group
 from tests.helpers.requires import in_ci, require
 
@@ -90,3 +92,15 @@ def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None
     return sbatch_wait([f"--job-name={name}", LIMIT, f"--chdir={tmp}",
                         f"--output={tmp}/%x-%j.out", *args], tmp,
                        timeout=timeout, env=env or slurm_env())
+
+
+def wait_for_file(path: Path, job_id: str, timeout: float = 90) -> None:
+    """Until ``path`` exists; fail early when job ``job_id`` is over."""
+    deadline, polls = time.monotonic() + timeout, 0
+    while not path.exists():
+        polls += 1
+        if time.monotonic() > deadline or (
+                polls % 25 == 0 and jobwatch.is_terminal(jobwatch.current(job_id))):
+            pytest.fail(f"{path} did not appear (job {job_id}: "
+                        f"{jobwatch.current(job_id).state})")
+        time.sleep(0.2)

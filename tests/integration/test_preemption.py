@@ -38,12 +38,7 @@ from tests.helpers.paths import ROOT
 from tests.helpers.requires import in_ci
 from tests.helpers.slurm import require_slurm, sbatch_wait, slurm_env
 from tests.helpers.step_hooks import slowed
-
-pytestmark = pytest.mark.slurm
-torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-
-from tests.integration.test_submit import (  # noqa: E402
+from tests.helpers.tiny_pretrain import (
     ENV,
     STEPS,
     TINY_ARGS,
@@ -52,6 +47,10 @@ from tests.integration.test_submit import (  # noqa: E402
     final_state,
     train_steps,
 )
+
+pytestmark = pytest.mark.slurm
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
 
 TEMPLATE = str(ROOT / "slurm" / "pretrain.sbatch")
 

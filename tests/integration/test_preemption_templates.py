@@ -31,6 +31,14 @@ from tests.helpers.paths import ROOT
 from tests.helpers.requires import require
 from tests.helpers.slurm import sbatch_wait, slurm_env
 from tests.helpers.step_hooks import slowed
+from tests.helpers.tiny_pretrain import (
+    ENV,
+    STEPS,
+    TINY_ARGS,
+    assert_each_step_once,
+    assert_same_final_weights,
+    train_steps,
+)
 
 pytestmark = pytest.mark.slurm
 torch = pytest.importorskip("torch")
@@ -43,14 +51,6 @@ from tests.integration.test_preemption import (  # noqa: E402
     _until,
     jobs,  # noqa: F401 - fixture
     partitions,  # noqa: F401 - fixture
-)
-from tests.integration.test_submit import (  # noqa: E402
-    ENV,
-    STEPS,
-    TINY_ARGS,
-    assert_each_step_once,
-    assert_same_final_weights,
-    train_steps,
 )
 
 CASES = {"torchrun": ("torchrun.sbatch", "hpc-torchrun", None),
