@@ -8,10 +8,13 @@
 * :mod:`tests.helpers.mpi`: Open MPI / MPICH launcher environments, with or without mpi4py;
 * :mod:`tests.helpers.slurm`: the local test cluster: its environment, ``srun``/``salloc``
   and ``sbatch --wait`` under a time limit and a job name;
+* :mod:`tests.helpers.preemption`: the preemptible/urgent partitions and the urgent job;
+* :mod:`tests.helpers.tiny_pretrain`: the tiny pretrain of the requeue tests, and the checks
+  that a resumed run ended bitwise as its uninterrupted reference;
 * :mod:`tests.helpers.step_hooks`: the ``HPC_STEP_HOOK`` that slows a job's first runs
   (the nodes import it by name);
 * :mod:`tests.helpers.envdumps`: the captured launch environments in ``tests/fixtures/env/``.
 
-The fixtures several modules share (``cluster``, ``job``) are in
-``tests/integration/conftest.py``.
+The fixtures several modules share (``cluster``, ``job``, ``cancel_after``,
+``preemption_partitions``) are in ``tests/integration/conftest.py``.
 """

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -104,3 +104,24 @@ def wait_for_file(path: Path, job_id: str, timeout: float = 90) -> None:
             pytest.fail(f"{path} did not appear (job {job_id}: "
                         f"{jobwatch.current(job_id).state})")
         time.sleep(0.2)
+
+
+def sbatch_nowait(args: Sequence[str], cwd: Path, env: dict[str, str],
+                  cancel_after: list[str]) -> str:
+    """``sbatch ARGS`` from ``cwd`` without waiting; the job id, also appended to
+    ``cancel_after`` (the fixture of that name cancels them at teardown)."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], check=False, cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    cancel_after.append(job_id)
+    return job_id
+
+
+def until(what: str, check: Callable[[], object], job_id: str, timeout: float = 120) -> None:
+    """Until ``check()`` is true; fail, naming ``what``, on a timeout or once the job is over."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline or jobwatch.is_terminal(jobwatch.current(job_id)):
+            pytest.fail(f"{what} did not happen (job {job_id}: {jobwatch.current(job_id)})")
+        time.sleep(0.5)

@@ -8,6 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from hpc.errors import SubmitError
+from hpc.submit import watch as jobwatch
+from tests.helpers.preemption import require_preemption_partitions
 from tests.helpers.slurm import require_slurm
 
 
@@ -23,3 +26,22 @@ def job(cluster: None) -> Iterator[str]:
     name = f"hpct-{uuid.uuid4().hex[:8]}"
     yield name
     subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def cancel_after(cluster: None) -> Iterator[list[str]]:
+    """Job ids to scancel at teardown if still alive (a failed test leaves nothing running)."""
+    ids: list[str] = []
+    yield ids
+    for job_id in ids:
+        try:
+            if not jobwatch.is_terminal(jobwatch.current(job_id)):
+                subprocess.run(["scancel", job_id], timeout=20)
+        except (SubmitError, subprocess.TimeoutExpired):
+            subprocess.run(["scancel", job_id], timeout=20)
+
+
+@pytest.fixture(scope="module")
+def preemption_partitions() -> None:
+    """The test cluster has its preemptible and urgent partitions; skip (fail in CI) if not."""
+    require_preemption_partitions()

@@ -59,19 +59,6 @@ LAYOUT = dict(nodes=2, gpus_per_node=2, time_min=5, signal_delay_s=60)
 SLOW_FIRST_RUN = slowed(0.5, runs=1)
 
 
-@pytest.fixture
-def cancel_after(cluster: None) -> Iterator[list[str]]:
-    """Job ids to scancel at teardown if still alive (a failed test leaves nothing running)."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        try:
-            if not jobwatch.is_terminal(jobwatch.current(job_id)):
-                subprocess.run(["scancel", job_id], timeout=20)
-        except (SubmitError, subprocess.TimeoutExpired):
-            subprocess.run(["scancel", job_id], timeout=20)
-
-
 def _submit(out: Path, log_dir: Path, **env: str) -> SubmittedJob:
     return submit(PretrainConfig(**TINY, out=str(out)), log_dir=str(log_dir),
                   env={**ENV, **env}, **LAYOUT)
