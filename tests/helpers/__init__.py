@@ -7,7 +7,7 @@
 * :mod:`tests.helpers.demo`: what ``python -m hpc demo`` prints under a launcher, checked;
 * :mod:`tests.helpers.mpi`: Open MPI / MPICH launcher environments, with or without mpi4py;
 * :mod:`tests.helpers.slurm`: the local test cluster: its environment, ``srun``/``salloc``
-  and ``sbatch --wait`` under a time limit and a job name;
+  and ``sbatch`` under a time limit and a job name, waiting on what a job does;
 * :mod:`tests.helpers.preemption`: the preemptible/urgent partitions and the urgent job;
 * :mod:`tests.helpers.tiny_pretrain`: the tiny pretrain of the requeue tests, and the checks
   that a resumed run ended bitwise as its uninterrupted reference;

@@ -94,18 +94,6 @@ def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None
                        timeout=timeout, env=env or slurm_env())
 
 
-def wait_for_file(path: Path, job_id: str, timeout: float = 90) -> None:
-    """Until ``path`` exists; fail early when job ``job_id`` is over."""
-    deadline, polls = time.monotonic() + timeout, 0
-    while not path.exists():
-        polls += 1
-        if time.monotonic() > deadline or (
-                polls % 25 == 0 and jobwatch.is_terminal(jobwatch.current(job_id))):
-            pytest.fail(f"{path} did not appear (job {job_id}: "
-                        f"{jobwatch.current(job_id).state})")
-        time.sleep(0.2)
-
-
 def sbatch_nowait(args: Sequence[str], cwd: Path, env: dict[str, str],
                   cancel_after: list[str]) -> str:
     """``sbatch ARGS`` from ``cwd`` without waiting; the job id, also appended to
@@ -119,9 +107,18 @@ def sbatch_nowait(args: Sequence[str], cwd: Path, env: dict[str, str],
 
 
 def until(what: str, check: Callable[[], object], job_id: str, timeout: float = 120) -> None:
-    """Until ``check()`` is true; fail, naming ``what``, on a timeout or once the job is over."""
-    deadline = time.monotonic() + timeout
+    """Until ``check()`` is true (polled every 0.2 s); fail, naming ``what``, on a timeout or
+    once job ``job_id`` is over (its state, a sacct call, is read every 5 s)."""
+    deadline, polls = time.monotonic() + timeout, 0
     while not check():
-        if time.monotonic() > deadline or jobwatch.is_terminal(jobwatch.current(job_id)):
-            pytest.fail(f"{what} did not happen (job {job_id}: {jobwatch.current(job_id)})")
-        time.sleep(0.5)
+        polls += 1
+        if time.monotonic() > deadline or (
+                polls % 25 == 0 and jobwatch.is_terminal(jobwatch.current(job_id))):
+            pytest.fail(f"{what} did not happen within {timeout:g} s or before job "
+                        f"{job_id} ended: {jobwatch.current(job_id)}")
+        time.sleep(0.2)
+
+
+def wait_for_file(path: Path, job_id: str, timeout: float = 90) -> None:
+    """Until ``path`` exists; fail early when job ``job_id`` is over."""
+    until(f"{path} appearing", path.exists, job_id, timeout)
