@@ -1,4 +1,5 @@
-"""What the test modules share, one module per concern.
+"""What the test modules share, one module per concern; a test module never imports
+another test module (``tests/unit/test_layout.py`` checks it).
 
 * :mod:`tests.helpers.paths`: the repository root and ``tests/integration/scripts``;
 * :mod:`tests.helpers.requires`: skip (fail under ``HPC_CI=1``) when a tool is missing;
