@@ -24,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, hpc_run, in_ci, require, run_group, slurm_env
-from tests.integration.mpi_env import launcher
-from tests.integration.test_slurm import run
+from tests.helpers.mpi import launcher
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import hpc_run, run_group
+from tests.helpers.requires import in_ci, require
+from tests.helpers.slurm import run, slurm_env
 
 CHECK = ["python", "-m", "hpc", "check"]
 NODES = ("node1", "node2", "node3", "node4")

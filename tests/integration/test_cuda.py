@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, run_group, script
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run, run_group
 
 torch = pytest.importorskip("torch")
 

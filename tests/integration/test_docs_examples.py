@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, kill_group
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import clean_env, hpc_run, kill_group
+from tests.helpers.step_hooks import slowed
 
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
 

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, require_slurm, run_group, script, slurm_env
-from tests.integration.test_network import job  # noqa: F401 - the fixture
-from tests.integration.test_slurm import sbatch
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import run_group
+from tests.helpers.slurm import require_slurm, sbatch, slurm_env
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.mark.timeout(150)
 def test_template_names_the_rank_that_failed_first_not_srun_first(
-        job: str, tmp_path: Path) -> None:  # noqa: F811 - the fixture
+        job: str, tmp_path: Path) -> None:
     require_slurm()
     job_id, code, out = sbatch(["-N2", "--ntasks-per-node=1", str(ROOT / "slurm" / "pretrain.sbatch"),
                                 sys.executable, script("slurm_first_failure.py")], job, tmp_path)

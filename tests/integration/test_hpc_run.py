@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, kill_group, script
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run, kill_group
 
 pytestmark = pytest.mark.timeout(90)
 

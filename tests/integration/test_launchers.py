@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -11,27 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, require, run_group, script
-from tests.integration.mpi_env import launcher
-
-DEMO = [sys.executable, "-m", "hpc", "demo"]
-LINE = re.compile(r"DEMO rank=(\d+) world=(\d+) local=(\d+)/(\d+) node=(\d+)/(\d+) host=(\S+) "
-                  r"launcher=(\S+) master=(\S+) device=\S+ allreduce=(\S+) expected=(\S+) "
-                  r"roles=(\S+) (OK|WRONG)")
-
-
-def check_demo(output: str, world: int, launcher_name: str) -> list[re.Match[str]]:
-    """Every rank agrees on world and master, sums right, one master, one local master/node."""
-    rows = [m for m in (LINE.search(line) for line in output.splitlines()) if m]
-    assert sorted(int(m[1]) for m in rows) == list(range(world)), output
-    assert {int(m[2]) for m in rows} == {world}
-    assert {m[8] for m in rows} == {launcher_name}
-    assert len({m[9] for m in rows}) == 1, "ranks disagree on the master"
-    assert all(m[13] == "OK" and float(m[10]) == world * (world + 1) / 2 for m in rows)
-    assert sum("master" in m[12].split(",") for m in rows) == 1
-    hosts = {m[7] for m in rows}
-    assert sum("local-master" in m[12].split(",") for m in rows) == len(hosts)
-    return rows
+from tests.helpers.demo import DEMO, check_demo
+from tests.helpers.mpi import launcher
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run, run_group
+from tests.helpers.requires import require
 
 
 @pytest.mark.timeout(120)

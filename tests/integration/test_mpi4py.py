@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, require, run_group
-from tests.integration.mpi_env import launcher, no_mpi4py
-from tests.integration.test_launchers import DEMO, check_demo
+from tests.helpers.demo import DEMO, check_demo
+from tests.helpers.mpi import launcher, no_mpi4py
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import clean_env, run_group
+from tests.helpers.requires import require
 
 pytest.importorskip("mpi4py")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import hpc_run, script
+from tests.helpers.paths import script
+from tests.helpers.processes import hpc_run
 
 
 @pytest.mark.timeout(90)

@@ -19,14 +19,14 @@ import re
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import require, require_slurm, script, slurm_env
-from tests.integration.test_slurm import run
+from tests.helpers.paths import script
+from tests.helpers.requires import require
+from tests.helpers.slurm import require_slurm, run, slurm_env
 
 pytestmark = pytest.mark.slurm
 
@@ -56,14 +56,6 @@ def second_interface() -> Iterator[None]:
         yield
     finally:
         _ip("link", "del", SECOND)  # its peer goes with it
-
-
-@pytest.fixture
-def job() -> Iterator[str]:
-    """A unique job name; jobs still running under it are cancelled after the test."""
-    name = f"hpct-net-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
 
 
 def _lines(out: str) -> dict[int, dict[str, str]]:

@@ -27,21 +27,16 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hpc.submit import watch as jobwatch
-from tests.helpers import ROOT, in_ci, require_slurm, sbatch_wait, slurm_env
-from tests.integration.step_hooks import slowed
-
-pytestmark = pytest.mark.slurm
-torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-
-from tests.integration.test_submit import (  # noqa: E402
+from tests.helpers.paths import ROOT
+from tests.helpers.preemption import preempt, sacct_history
+from tests.helpers.slurm import sbatch_nowait, sbatch_wait, slurm_env, until
+from tests.helpers.step_hooks import slowed
+from tests.helpers.tiny_pretrain import (
     ENV,
     STEPS,
     TINY_ARGS,
@@ -51,63 +46,16 @@ from tests.integration.test_submit import (  # noqa: E402
     train_steps,
 )
 
+pytestmark = pytest.mark.slurm
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
 TEMPLATE = str(ROOT / "slurm" / "pretrain.sbatch")
-
-
-@pytest.fixture(scope="module")
-def partitions() -> None:
-    require_slurm()
-    out = subprocess.run(["sinfo", "-h", "-o", "%P"], check=False, capture_output=True, text=True,
-                         timeout=20).stdout.split()
-    if "preemptible" not in out or "urgent" not in out:
-        msg = (f"the test cluster has no preemptible/urgent partitions (sinfo: {out}); "
-               "restart it from this checkout: bin/hpc-testcluster down && bin/hpc-testcluster up")
-        if in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    """Job ids to scancel at teardown (a failed test leaves nothing running)."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id], check=False, timeout=20)
-
-
-def _sbatch(args: list[str], cwd: Path, env: dict[str, str], jobs: list[str]) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], check=False, cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc.stderr
-    job_id = proc.stdout.strip().split(";")[0]
-    jobs.append(job_id)
-    return job_id
-
-
-def _until(what: str, check, job_id: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline or jobwatch.is_terminal(jobwatch.current(job_id)):
-            pytest.fail(f"{what} did not happen (job {job_id}: {jobwatch.current(job_id)})")
-        time.sleep(0.5)
-
-
-def _preempt(tmp_path: Path, env: dict[str, str], jobs: list[str]) -> str:
-    """An urgent 2-node exclusive job: Slurm preempts the preemptible job for it."""
-    return _sbatch(["-p", "urgent", "-N2", "--exclusive", "-o", str(tmp_path / "urgent-%j.out"),
-                    "--wrap", "sleep 8"], tmp_path, env, jobs)
-
-
-def _sacct(job_ids: list[str]) -> str:
-    return subprocess.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P",
-                           "-o", "JobID,Partition,State,ExitCode,Start,End"],
-                          check=False, capture_output=True, text=True, timeout=30).stdout
 
 
 @pytest.mark.timeout(420)
 def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
-        partitions: None, tmp_path: Path, jobs: list[str]) -> None:
+        preemption_partitions: None, tmp_path: Path, cancel_after: list[str]) -> None:
     env = slurm_env(**ENV)
     ref = tmp_path / "reference"
     job_id, rc, text = sbatch_wait(["-p", "debug", TEMPLATE, *TINY_ARGS, "--out", str(ref)],
@@ -122,22 +70,22 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     ranks = (f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then export PATH={venv_bin}; fi; '
              f"exec {train}")
     job_env = slurm_env(**ENV, **slowed(0.5, runs=2))
-    job_id = _sbatch(["-p", "preemptible", TEMPLATE, "bash", "-c", ranks], tmp_path, job_env,
-                     jobs)
+    job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "bash", "-c", ranks], tmp_path, job_env,
+                     cancel_after)
     log = tmp_path / f"hpc-pretrain-{job_id}.out"
     ckpts = out / "checkpoints"
 
-    _until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
-    urgent = [_preempt(tmp_path, env, jobs)]
-    _until("the second run", lambda: log.exists() and log.read_text().count(
+    until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
+    urgent = [preempt(tmp_path, env, cancel_after)]
+    until("the second run", lambda: log.exists() and log.read_text().count(
         f"hpc: job {job_id} on") == 2, job_id, timeout=150)
     first_stop = max(train_steps(out))
-    _until("a checkpoint of the second run", lambda: any(
+    until("a checkpoint of the second run", lambda: any(
         int(p.name[5:13]) >= first_stop + 3 for p in ckpts.glob("ckpt-*.pt")), job_id)
-    urgent.append(_preempt(tmp_path, env, jobs))
+    urgent.append(preempt(tmp_path, env, cancel_after))
     last = jobwatch.wait(job_id, timeout=200)
     text = log.read_text()
-    history = _sacct([job_id, *urgent])
+    history = sacct_history([job_id, *urgent])
     print(f"sacct:\n{history}", file=sys.stderr)
     assert last.word == "COMPLETED", text[-4000:]
 
@@ -172,7 +120,7 @@ def _final_digests(text: str) -> set[tuple[str, str]]:
 
 @pytest.mark.timeout(300)
 def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
-        partitions: None, tmp_path: Path, jobs: list[str]) -> None:
+        preemption_partitions: None, tmp_path: Path, cancel_after: list[str]) -> None:
     """docs/examples/train_preemptible.py (own model, optimizer, scheduler, sampler; hpc's
     save/restore/AgreedStop) in ``preemptible``, preempted once by an urgent job."""
     env = slurm_env(**ENV)
@@ -184,14 +132,14 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
     assert len(reference) == 1 and next(iter(reference))[0] == "128", reference
 
     out = tmp_path / "run"
-    job_id = _sbatch(["-p", "preemptible", TEMPLATE, "python", EXAMPLE, "--out", str(out)],
-                     tmp_path, slurm_env(**ENV, **slowed(0.2, runs=1)), jobs)
-    _until("checkpoint 20", lambda: (out / "checkpoints" / "ckpt-00000020.pt").exists(),
+    job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "python", EXAMPLE, "--out", str(out)],
+                     tmp_path, slurm_env(**ENV, **slowed(0.2, runs=1)), cancel_after)
+    until("checkpoint 20", lambda: (out / "checkpoints" / "ckpt-00000020.pt").exists(),
            job_id)
-    urgent = _preempt(tmp_path, env, jobs)
+    urgent = preempt(tmp_path, env, cancel_after)
     last = jobwatch.wait(job_id, timeout=200)
     text = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
-    history = _sacct([job_id, urgent])
+    history = sacct_history([job_id, urgent])
     show = subprocess.run(["scontrol", "show", "job", job_id], check=False,
                           capture_output=True, text=True, timeout=20).stdout
     print(f"sacct:\n{history}\nscontrol: "

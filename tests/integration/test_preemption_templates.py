@@ -27,22 +27,12 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import watch as jobwatch
-from tests.helpers import ROOT, require, sbatch_wait, slurm_env
-from tests.integration.step_hooks import slowed
-
-pytestmark = pytest.mark.slurm
-torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-
-from tests.integration.test_preemption import (  # noqa: E402
-    _preempt,
-    _sacct,
-    _sbatch,
-    _until,
-    jobs,  # noqa: F401 - fixture
-    partitions,  # noqa: F401 - fixture
-)
-from tests.integration.test_submit import (  # noqa: E402
+from tests.helpers.paths import ROOT
+from tests.helpers.preemption import preempt, sacct_history
+from tests.helpers.requires import require
+from tests.helpers.slurm import sbatch_nowait, sbatch_wait, slurm_env, until
+from tests.helpers.step_hooks import slowed
+from tests.helpers.tiny_pretrain import (
     ENV,
     STEPS,
     TINY_ARGS,
@@ -50,6 +40,10 @@ from tests.integration.test_submit import (  # noqa: E402
     assert_same_final_weights,
     train_steps,
 )
+
+pytestmark = pytest.mark.slurm
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
 
 CASES = {"torchrun": ("torchrun.sbatch", "hpc-torchrun", None),
          "mpirun": ("mpirun.sbatch", "hpc-mpirun", "mpirun.openmpi")}
@@ -70,22 +64,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("case", list(CASES))
 def test_template_survives_sigterm_preemption_and_resumes_exactly(
-        case: str, partitions: None, reference: Path, tmp_path: Path,  # noqa: F811
-        jobs: list[str]) -> None:  # noqa: F811
+        case: str, preemption_partitions: None, reference: Path, tmp_path: Path,
+        cancel_after: list[str]) -> None:
     template, name, mpirun = CASES[case]
     job_env = slurm_env(**ENV, **slowed(0.5, runs=1))
     if mpirun:
         job_env["HPC_MPIRUN"] = require(mpirun, "Open MPI")
     out = tmp_path / "run"
-    job_id = _sbatch(["-p", "preemptible", str(ROOT / "slurm" / template), *TINY_ARGS,
-                      "--out", str(out)], tmp_path, job_env, jobs)
+    job_id = sbatch_nowait(["-p", "preemptible", str(ROOT / "slurm" / template), *TINY_ARGS,
+                      "--out", str(out)], tmp_path, job_env, cancel_after)
     log = tmp_path / f"{name}-{job_id}.out"
     ckpts = out / "checkpoints"
-    _until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
-    urgent = _preempt(tmp_path, slurm_env(**ENV), jobs)
+    until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
+    urgent = preempt(tmp_path, slurm_env(**ENV), cancel_after)
     last = jobwatch.wait(job_id, timeout=240)
     text = log.read_text()
-    history = _sacct([job_id, urgent])
+    history = sacct_history([job_id, urgent])
     shown = subprocess.run(["scontrol", "show", "job", job_id], check=False,
                            capture_output=True, text=True, timeout=20).stdout
     print(f"sacct:\n{history}\n{shown}", file=sys.stderr)

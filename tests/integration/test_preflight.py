@@ -19,7 +19,8 @@ from datetime import timedelta
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, kill_group, script
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, kill_group
 
 torch = pytest.importorskip("torch")
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import LAUNCHER_VARS
-from tests.helpers import ROOT, clean_env, run_group, script
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, run_group
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -248,7 +249,7 @@ def test_usr2_to_hpc_run_stops_pretrain_with_a_checkpoint(tmp_path: Path) -> Non
     """`kill -USR2 <hpc run>`: relayed to the ranks, an agreed stop, exit 0, resumable."""
     import signal
 
-    from tests.helpers import kill_group
+    from tests.helpers.processes import kill_group
 
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "hpc", "run", "--nproc", "2", "--", "hpc", "pretrain",

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import LAUNCHER_VARS
-from tests.helpers import ROOT, clean_env
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import clean_env
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")

@@ -30,41 +30,25 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from hpc.environments import detect
 from hpc.environments.base import derive_port
-from tests.helpers import ROOT, require, require_slurm, run_group, sbatch_wait, script, slurm_env
-from tests.integration.mpi_env import launcher, no_mpi4py
-from tests.integration.test_launchers import check_demo
-from tests.unit.envdumps import parse_dump, parse_header
+from tests.helpers.demo import DEMO, check_demo
+from tests.helpers.envdumps import parse_dump, parse_header
+from tests.helpers.mpi import launcher, no_mpi4py
+from tests.helpers.paths import ROOT, script
+from tests.helpers.requires import require
+from tests.helpers.slurm import run, sbatch, slurm_env
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("cluster")]
 
 PY = sys.executable
-DEMO = [PY, "-m", "hpc", "demo"]
 NODES = ["node1", "node2"]
-# Minutes: a stuck job cannot outlive the test run by much. Not 2: pretrain.sbatch asks
-# for USR2 120 s before the limit, which would kill the demo (no handler) at once.
-LIMIT = "--time=3"
 MPI_EXE = {"openmpi": ["mpirun.openmpi", "-np", "4"], "mpich": ["mpiexec.mpich", "-n", "4"]}
 STATE_DIR = os.environ.get("HPC_TESTCLUSTER_DIR", "/var/tmp/hpc-testcluster")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
-    require_slurm()
-
-
-@pytest.fixture
-def job() -> Iterator[str]:
-    """A unique job name; jobs still running under it are cancelled after the test."""
-    name = f"hpct-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
 
 
 def step_port(job_id: int, step: int) -> int:
@@ -81,22 +65,6 @@ def env_for(kind: str, tmp: Path, *, with_mpi4py: bool = True) -> dict[str, str]
         _, mpich = launcher("mpich", tmp, 4, with_mpi4py=True)
         env.update(MPI4PY_LIBMPI=mpich["MPI4PY_LIBMPI"], LD_LIBRARY_PATH=mpich["LD_LIBRARY_PATH"])
     return env
-
-
-def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
-        timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    """``srun``/``salloc`` ARGV with our job name and time limit, from ``tmp``."""
-    require(argv[0], "Slurm client")
-    full = [argv[0], f"--job-name={name}", LIMIT, *argv[1:]]
-    return run_group(full, timeout=timeout, cwd=tmp, env=env)
-
-
-def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None = None,
-           timeout: float = 100) -> tuple[int, int, str]:
-    """``sbatch --wait`` with our name, time limit, and output in ``tmp``."""
-    return sbatch_wait([f"--job-name={name}", LIMIT, f"--chdir={tmp}",
-                        f"--output={tmp}/%x-%j.out", *args], tmp,
-                       timeout=timeout, env=env or slurm_env())
 
 
 def accounted(*select: str) -> dict[str, tuple[str, str]]:

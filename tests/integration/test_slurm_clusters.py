@@ -13,19 +13,18 @@ Run (2 shared cores: one heavy run at a time)::
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import script, slurm_env
-from tests.integration import test_slurm
-from tests.integration.test_slurm import PY, run, sbatch
+from tests.helpers.paths import script
+from tests.helpers.slurm import run, sbatch, slurm_env
 
-pytestmark = pytest.mark.slurm
-cluster = test_slurm.cluster  # the same fixtures: the cluster is up, jobs get a unique name
-job = test_slurm.job
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("cluster")]
 
+PY = sys.executable
 ENV_ALL = [PY, "-m", "hpc", "env", "--all"]
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(node\d)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\d+)",
                  re.MULTILINE)

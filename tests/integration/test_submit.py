@@ -4,7 +4,7 @@ Every job is 2 nodes x 2 tasks (``--gpus-per-node 2``, fake GPUs, gloo on CPU) r
 tiny pretrain (2 epochs x 11 steps, checkpoint every 3 steps). One uninterrupted run is
 the reference; preempted runs must end with bitwise-identical weights and a metrics.csv
 holding each step exactly once. A step hook (``HPC_STEP_HOOK``, see
-tests/integration/step_hooks.py) slows the first run of a job so a signal lands mid-run;
+tests/helpers/step_hooks.py) slows the first run of a job so a signal lands mid-run;
 sleeping does not change the math.
 
 Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_submit.py``
@@ -12,7 +12,6 @@ Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/int
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 import signal
@@ -26,8 +25,18 @@ from typing import Any, Optional
 import pytest
 
 from tests.conftest import LAUNCHER_VARS
-from tests.helpers import ROOT, in_ci, require_slurm, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.requires import in_ci
+from tests.helpers.slurm import slurm_env, wait_for_file
+from tests.helpers.step_hooks import slowed
+from tests.helpers.tiny_pretrain import (
+    ENV,
+    STEPS,
+    TINY,
+    TINY_ARGS,
+    assert_each_step_once,
+    assert_same_final_weights,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -46,76 +55,13 @@ from hpc.pretrain import PretrainConfig  # noqa: E402
 from hpc.submit import SubmittedJob, submit  # noqa: E402
 from hpc.submit import watch as jobwatch  # noqa: E402
 
-STEPS = 22  # 2 epochs x (1437 // (4 ranks x 32)) steps
-TINY = dict(epochs=2, batch_size=32, width=8, val_archs=2, recal_samples=64, ckpt_every=3,
-            progress=False)
-TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs", "2",
-             "--recal-samples", "64", "--ckpt-every", "3", "--no-progress"]
 LAYOUT = dict(nodes=2, gpus_per_node=2, time_min=5, signal_delay_s=60)
-ENV = {"OMP_NUM_THREADS": "1"}  # the same in every run: the reference must match bitwise
 SLOW_FIRST_RUN = slowed(0.5, runs=1)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    require_slurm()
-
-
-@pytest.fixture
-def cancel_after(cluster: None) -> Iterator[list[str]]:
-    """Job ids to scancel at teardown if still alive (a failed test leaves nothing running)."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        try:
-            if not jobwatch.is_terminal(jobwatch.current(job_id)):
-                subprocess.run(["scancel", job_id], timeout=20)
-        except (SubmitError, subprocess.TimeoutExpired):
-            subprocess.run(["scancel", job_id], timeout=20)
 
 
 def _submit(out: Path, log_dir: Path, **env: str) -> SubmittedJob:
     return submit(PretrainConfig(**TINY, out=str(out)), log_dir=str(log_dir),
                   env={**ENV, **env}, **LAYOUT)
-
-
-def _wait_for(path: Path, job_id: str, timeout: float = 90) -> None:
-    """Until ``path`` exists; fail early when the job is over."""
-    deadline, polls = time.monotonic() + timeout, 0
-    while not path.exists():
-        polls += 1
-        if time.monotonic() > deadline or (
-                polls % 25 == 0 and jobwatch.is_terminal(jobwatch.current(job_id))):
-            pytest.fail(f"{path} did not appear (job {job_id}: "
-                        f"{jobwatch.current(job_id).state})")
-        time.sleep(0.2)
-
-
-def train_steps(run_dir: Path) -> list[int]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return [int(r["step"]) for r in csv.DictReader(f) if r["split"] == "train"]
-
-
-def final_state(run_dir: Path) -> dict[str, Any]:
-    newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
-    return torch.load(newest, map_location="cpu", weights_only=True)
-
-
-def assert_same_final_weights(run_dir: Path, reference: Path) -> None:
-    a, b = final_state(run_dir), final_state(reference)
-    assert a["step"] == b["step"] == STEPS
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"weight {k} differs"
-    for k, state in a["optimizer"]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(value, b["optimizer"]["state"][k][name]), f"optimizer {k}.{name}"
-    assert a["val_acc"] == b["val_acc"]
-
-
-def assert_each_step_once(run_dir: Path) -> None:
-    steps = train_steps(run_dir)
-    assert steps == list(range(1, STEPS + 1)), f"duplicates or gaps: {steps}"
 
 
 def assert_requeued_once_or_more(job_id: str) -> list[jobwatch.Run]:
@@ -169,7 +115,7 @@ def test_usr2_checkpoints_requeues_and_resumes_exactly(reference: Any, tmp_path:
     out = tmp_path / "run"
     job = _submit(out, tmp_path / "logs", **SLOW_FIRST_RUN)
     cancel_after.append(job.job_id)
-    _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
+    wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
     job.cancel(signal="USR2")  # scancel --signal=USR2: every task of the step
     result = job.result(timeout=180)
     assert result.status == "completed" and result.step == STEPS
@@ -258,7 +204,7 @@ def test_sbatch_template_requeues_with_scontrol_and_resumes_exactly(
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     cancel_after.append(job_id)
-    _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job_id)
+    wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job_id)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=20)
     last = jobwatch.wait(job_id, timeout=180)
     log = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
@@ -297,7 +243,7 @@ def test_sigkilled_rank_fails_the_job_fast_naming_it(cluster: None, tmp_path: Pa
     out = tmp_path / "run"
     job = _submit(out, tmp_path / "logs", **slowed(0.5))
     cancel_after.append(job.job_id)
-    _wait_for(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
+    wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job.job_id)
     pid = _pid_of(job.job_id, 3, b"submitit.core._submit")
     assert pid is not None, "rank 3's process not found"
     os.kill(pid, signal.SIGKILL)

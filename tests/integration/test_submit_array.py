@@ -18,21 +18,20 @@ from pathlib import Path
 import pytest
 
 from hpc.submit import watch as jobwatch
-from tests.helpers import ROOT, require_slurm, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.slurm import require_slurm, slurm_env, wait_for_file
+from tests.helpers.step_hooks import slowed
+from tests.helpers.tiny_pretrain import (
+    ENV,
+    TINY_ARGS,
+    assert_each_step_once,
+    assert_same_final_weights,
+)
 
 pytestmark = pytest.mark.slurm
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 pytest.importorskip("submitit")
-
-from tests.integration.test_submit import (  # noqa: E402
-    ENV,
-    TINY_ARGS,
-    _wait_for,
-    assert_each_step_once,
-    assert_same_final_weights,
-)
 
 
 def _restarts(job_id: str) -> str:
@@ -58,7 +57,7 @@ def test_array_tasks_have_own_run_dirs_and_requeue_alone(tmp_path: Path) -> None
         assert len(ids) == 2 and ids[0].endswith("_0") and ids[1].endswith("_1"), proc.stdout
         assert f"run:    {tmp_path / 'sweep' / '1'} (checkpoints" in proc.stdout
         run0, run1 = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
-        _wait_for(run1 / "checkpoints" / "ckpt-00000006.pt", ids[1], timeout=150)
+        wait_for_file(run1 / "checkpoints" / "ckpt-00000006.pt", ids[1], timeout=150)
         subprocess.run(["scancel", "--signal=USR2", ids[1]], check=True, timeout=20)
         last = [jobwatch.wait(i, timeout=200) for i in ids]
         history = {i: [r.word for r in jobwatch.history(i)] for i in ids}

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, kill_group, require_slurm, run_group, slurm_env
-from tests.integration.step_hooks import slowed
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import kill_group, run_group
+from tests.helpers.slurm import slurm_env
+from tests.helpers.step_hooks import slowed
 
 pytestmark = pytest.mark.slurm
 
@@ -34,11 +36,6 @@ pytest.importorskip("submitit")  # in the test extra; a skip fails under HPC_CI 
 CPU_LAYOUT = ["-N", "2", "-G", "0", "--tasks-per-node", "2", "--time", "3"]
 TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs", "2",
              "--recal-samples", "64", "--ckpt-every", "3", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    require_slurm()
 
 
 def _cancel(text: str) -> None:

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.helpers import hpc_run, script
+from tests.helpers.paths import script
+from tests.helpers.processes import hpc_run
 
 
 def _results(out: str, nproc: int) -> list[str]:

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hpc_run, run_group, script
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run, run_group
 
 SYNC = script("sync_grads_vs_ddp.py")
 

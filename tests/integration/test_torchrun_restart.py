@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, kill_group, require, script
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, kill_group
+from tests.helpers.requires import require
 
 
 def _free_port() -> int:

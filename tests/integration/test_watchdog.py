@@ -15,22 +15,15 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    ROOT,
-    clean_env,
-    hpc_run,
-    require,
-    require_slurm,
-    script,
-    slurm_env,
-)
-from tests.integration.mpi_env import launcher
+from tests.helpers.mpi import launcher
+from tests.helpers.paths import ROOT, script
+from tests.helpers.processes import clean_env, hpc_run
+from tests.helpers.requires import require
+from tests.helpers.slurm import slurm_env
 
 PG_TIMEOUT = 10
 #: A job must end within the collective timeout plus this (the issue's bound).
@@ -130,14 +123,6 @@ def test_mpirun_frozen_or_killed_rank(mode: str, tmp_path: Path) -> None:
 
 
 # --- srun on the test cluster, without --kill-on-bad-exit ------------------------------
-
-@pytest.fixture
-def job() -> Iterator[str]:
-    require_slurm()
-    name = f"hpct-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=30, check=False)
-
 
 @pytest.mark.slurm
 @pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers.paths import ROOT
 
 SKIPPING = '''
 import pytest

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers.paths import ROOT
 
 torch = pytest.importorskip("torch")
 

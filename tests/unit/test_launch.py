@@ -11,7 +11,7 @@ from hpc.cli.env import find_mismatches
 from hpc.environments import detect
 from hpc.environments.base import DistInfo
 from hpc.launch import loopback_interface, rank_env, resolve_command
-from tests.unit.envdumps import load
+from tests.helpers.envdumps import load
 
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
             "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")

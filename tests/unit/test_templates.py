@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers.paths import ROOT
 
 FAKE_SRUN = '#!/bin/sh\nfor a in "$@"; do echo "ARG $a"; done\n'
 

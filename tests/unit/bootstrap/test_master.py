@@ -17,7 +17,7 @@ from hpc.environments.base import (
     launcher_pid,
 )
 from hpc.errors import MasterAddressError
-from tests.unit.envdumps import load
+from tests.helpers.envdumps import load
 
 INFO = DistInfo(launcher="slurm", rank=3, local_rank=1, world_size=8, local_world_size=4,
                 node_rank=0, num_nodes=2, master_addr="node1", master_port=15042)

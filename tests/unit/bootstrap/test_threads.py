@@ -10,7 +10,7 @@ import pytest
 from hpc.bootstrap import threads
 from hpc.bootstrap.threads import plan_threads
 from hpc.environments import detect
-from tests.unit.envdumps import load
+from tests.helpers.envdumps import load
 
 STEP = dict(load("srun_from_login_env.txt")[1][1])  # an srun task, 2 tasks per node
 ONE = detect({})

@@ -10,7 +10,7 @@ import pytest
 from hpc.cli.env import find_mismatches
 from hpc.environments import detect
 from hpc.environments.base import DistInfo
-from tests.unit.envdumps import load, parse_header
+from tests.helpers.envdumps import load, parse_header
 
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
             "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, in_ci
+from tests.helpers.paths import ROOT
+from tests.helpers.requires import in_ci
 
 DOCS = ROOT / "docs"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from hpc.pretrain.config import PretrainConfig
-from tests.helpers import ROOT
+from tests.helpers.paths import ROOT
 
 QUICKSTART = (ROOT / "docs" / "quickstart.md").read_text()
 README = (ROOT / "README.md").read_text()

@@ -17,7 +17,7 @@ from hpc.environments import GUARD_VARIABLES, detect
 from hpc.environments.base import derive_port
 from hpc.environments.lsf import compute_hosts
 from hpc.errors import LaunchEnvironmentError, MasterAddressError
-from tests.unit.envdumps import load
+from tests.helpers.envdumps import load
 
 
 def task(name: str, rank: int, **extra: str) -> dict[str, str]:

@@ -21,8 +21,8 @@ from hpc.environments.local import LocalEnvironment
 from hpc.environments.slurm import SlurmEnvironment, expand_hostnames, slurm_port
 from hpc.environments.torchrun import TorchrunEnvironment
 from hpc.errors import InconsistentEnvironmentError, LaunchEnvironmentError
-from tests.helpers import ROOT
-from tests.unit.envdumps import dump_files, load, parse_header
+from tests.helpers.envdumps import dump_files, load, parse_header
+from tests.helpers.paths import ROOT
 
 # What each real dump must give, from how it was launched (tests/fixtures/env/README.md).
 # ``port``: the documented derivation 15000 + (job * 64 + step) % 17000 for Slurm steps.

@@ -14,7 +14,7 @@ import pytest
 
 from hpc.environments.slurm import expand_hostnames, expand_tasks_per_node
 from hpc.errors import LaunchEnvironmentError
-from tests.helpers import require
+from tests.helpers.requires import require
 
 HOSTLISTS: dict[str, list[str]] = {
     "node[1-2]": ["node1", "node2"],

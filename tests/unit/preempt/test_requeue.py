@@ -83,7 +83,7 @@ def test_bad_step_hook_is_an_error_naming_it(spec: str, match: str) -> None:
 
 
 def test_cluster_tests_step_hook_sleeps_only_in_the_first_runs() -> None:
-    from tests.integration.step_hooks import slowed
+    from tests.helpers.step_hooks import slowed
 
     with pytest.MonkeyPatch.context() as mp:  # undone before conftest's leak check
         for key, value in slowed(0.2, runs=1).items():

@@ -36,7 +36,8 @@ print([Supernet(width=8).sample(arch_generator(0, r, s)) for r in range(2) for s
 @pytest.mark.timeout(120)
 def test_draws_do_not_depend_on_the_hash_seed() -> None:
     """Ranks are separate processes with their own PYTHONHASHSEED: they must agree."""
-    from tests.helpers import ROOT, clean_env, run_group
+    from tests.helpers.paths import ROOT
+    from tests.helpers.processes import clean_env, run_group
     want = [str(DERIVED_0_1_2), str(FIRST_DRAWS)]
     for seed in ("1", "2"):
         proc = run_group([sys.executable, "-c", _PROBE], timeout=100, cwd=ROOT,

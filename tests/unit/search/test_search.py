@@ -61,7 +61,8 @@ print(_propose(Supernet(width=4), 0))
 @pytest.mark.timeout(120)
 def test_proposals_do_not_depend_on_the_hash_seed() -> None:
     """Ranks are separate processes with their own PYTHONHASHSEED: they must agree."""
-    from tests.helpers import ROOT, clean_env, run_group
+    from tests.helpers.paths import ROOT
+    from tests.helpers.processes import clean_env, run_group
 
     for seed in ("1", "2"):
         proc = run_group([sys.executable, "-c", _PROBE], timeout=100, cwd=ROOT,

@@ -11,7 +11,8 @@ import pytest
 from hpc.errors import SubmitError
 from hpc.submit.cli import _build, _options, main, split_target
 from hpc.submit.options import SubmitOptions
-from tests.helpers import ROOT, run_group
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_group
 
 
 @pytest.mark.parametrize("cmd, expected", [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hpc.watchdog import failure
 from hpc.watchdog.failure import read_mark
-from tests.helpers import ROOT
+from tests.helpers.paths import ROOT
 
 _ABORT = """
 import os, sys

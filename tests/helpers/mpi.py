@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.helpers import clean_env, require
+from tests.helpers.processes import clean_env
+from tests.helpers.requires import require
 
 MPICH_LIB = Path("/usr/lib/x86_64-linux-gnu/libmpich.so.12")
 

@@ -1,6 +1,6 @@
 """Step hooks the cluster tests install through ``HPC_STEP_HOOK`` (see hpc.preempt.requeue).
 
-``HPC_STEP_HOOK=tests.integration.step_hooks:sleep`` sleeps ``HPC_TEST_STEP_SLEEP`` seconds
+``HPC_STEP_HOOK=tests.helpers.step_hooks:sleep`` sleeps ``HPC_TEST_STEP_SLEEP`` seconds
 at every poll of the job's ``PreemptGuard`` (once per step), in the first
 ``HPC_TEST_SLEEP_RUNS`` runs of the job only (``SLURM_RESTART_COUNT`` below it; unset:
 every run). A signal sent once a checkpoint exists then lands in the middle of the run;
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import ROOT
 
 
 def sleep() -> None:

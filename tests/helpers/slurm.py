@@ -1,0 +1,124 @@
+"""The local Slurm test cluster (``bin/hpc-testcluster up``) as the tests use it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from hpc.submit import watch as jobwatch
+from tests.helpers.processes import clean_env, run_group
+from tests.helpers.requires import in_ci, require
+
+#: The time limit run() and sbatch() give every job, in minutes: a stuck job cannot
+#: outlive the test run by much. Not 2: pretrain.sbatch asks for USR2 120 s before the
+#: limit, which would kill a payload without a handler (the demo) at once.
+LIMIT = "--time=3"
+
+
+def require_slurm() -> None:
+    """Skip (fail in CI) unless the local test cluster answers with two idle nodes."""
+    require("sbatch", "Slurm client (bin/hpc-testcluster up installs it)")
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False,
+                             capture_output=True,
+                             text=True, timeout=20).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    nodes = [line.split() for line in out.splitlines() if line.strip()]
+    if len(nodes) < 2:
+        msg = f"no 2-node Slurm cluster answering (sinfo: {out.strip() or 'nothing'}); run bin/hpc-testcluster up"
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    """Environment for sbatch/srun from tests: this venv first on PATH, root-safe MPI."""
+    env = clean_env(**extra)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("HPC_PYTHON", sys.executable)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+def sbatch_wait(args: Sequence[str], workdir: Path, *, timeout: float = 240,
+                env: dict[str, str] | None = None) -> tuple[int, int, str]:
+    """``sbatch --wait ARGS`` from ``workdir``; returns (job id, exit code, output file text).
+
+    The job's output goes to ``workdir/slurm-<id>.out`` unless ARGS set ``--output``.
+    On a timeout the job is cancelled before the error propagates.
+    """
+    proc = subprocess.Popen(["sbatch", "--wait", "--parsable", *args], cwd=workdir,
+                            env=env or slurm_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    job_id = ""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        job_id = out.strip().split(";")[0]
+        if job_id:
+            subprocess.run(["scancel", job_id], check=False, timeout=20)
+        raise
+    job_id = out.strip().split(";")[0].splitlines()[0] if out.strip() else ""
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch failed (rc {proc.returncode}): {err}")
+    outputs = sorted(workdir.glob(f"*{job_id}*.out"))
+    text = "\n".join(p.read_text(errors="replace") for p in outputs)
+    return int(job_id), proc.returncode, text
+
+
+def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
+        timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """``srun``/``salloc`` ARGV as job ``name`` (the ``job`` fixture) under :data:`LIMIT`,
+    from ``tmp``; a timeout kills the client and its process group."""
+    require(argv[0], "Slurm client")
+    full = [argv[0], f"--job-name={name}", LIMIT, *argv[1:]]
+    return run_group(full, timeout=timeout, cwd=tmp, env=env)
+
+
+def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None = None,
+           timeout: float = 100) -> tuple[int, int, str]:
+    """``sbatch --wait`` ARGS as job ``name`` under :data:`LIMIT`, run from and writing its
+    output to ``tmp``: (job id, exit code, output)."""
+    return sbatch_wait([f"--job-name={name}", LIMIT, f"--chdir={tmp}",
+                        f"--output={tmp}/%x-%j.out", *args], tmp,
+                       timeout=timeout, env=env or slurm_env())
+
+
+def sbatch_nowait(args: Sequence[str], cwd: Path, env: dict[str, str],
+                  cancel_after: list[str]) -> str:
+    """``sbatch ARGS`` from ``cwd`` without waiting; the job id, also appended to
+    ``cancel_after`` (the fixture of that name cancels them at teardown)."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], check=False, cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    cancel_after.append(job_id)
+    return job_id
+
+
+def until(what: str, check: Callable[[], object], job_id: str, timeout: float = 120) -> None:
+    """Until ``check()`` is true (polled every 0.2 s); fail, naming ``what``, on a timeout or
+    once job ``job_id`` is over (its state, a sacct call, is read every 5 s)."""
+    deadline, polls = time.monotonic() + timeout, 0
+    while not check():
+        polls += 1
+        if time.monotonic() > deadline or (
+                polls % 25 == 0 and jobwatch.is_terminal(jobwatch.current(job_id))):
+            pytest.fail(f"{what} did not happen within {timeout:g} s or before job "
+                        f"{job_id} ended: {jobwatch.current(job_id)}")
+        time.sleep(0.2)
+
+
+def wait_for_file(path: Path, job_id: str, timeout: float = 90) -> None:
+    """Until ``path`` exists; fail early when job ``job_id`` is over."""
+    until(f"{path} appearing", path.exists, job_id, timeout)
