@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, clean_env
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import clean_env
 
 #: old path -> new path (the restructuring of issue 24).
 MOVED = {

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.helpers import ROOT, clean_env  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.processes import clean_env  # noqa: E402
 
 _PROBE = """
 import sys

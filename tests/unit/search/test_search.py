@@ -51,10 +51,13 @@ def test_proposals_are_a_pure_function_of_seed_generation_and_history() -> None:
     assert inherited >= 0.7 * len(children) * 4
 
 
+#: ``_propose(Supernet(width=4), 0)`` in a fresh process.
 _PROBE = """
 from hpc.pretrain.space import Supernet
-from tests.unit.search.test_search import _propose
-print(_propose(Supernet(width=4), 0))
+from hpc.search.evolution import propose
+net = Supernet(width=4)
+print(propose(8, 0, seed=3, choices=net.choices(), sample=net.sample, parents=[], seen=set(),
+              feasible=lambda a: True, mutation_prob=0.25))
 """
 
 

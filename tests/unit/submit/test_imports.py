@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers.paths import ROOT
 
 PACKAGE = ROOT / "hpc" / "submit"
 
