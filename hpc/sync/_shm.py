@@ -57,8 +57,11 @@ def _aligned(n: int) -> int:
 
 def half_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
     """Bytes one step's half must hold for these parameters: every one on the wire, each
-    in its own aligned slot at worst (a parameter is in one bucket at most)."""
-    return sum(n * size for n, size in zip(numels, itemsizes)) + ALIGN * len(numels)
+    in its own aligned slot at worst (a parameter is in one bucket at most), rounded up
+    to :data:`ALIGN` so that the second half starts aligned as well (mixed itemsizes
+    sum to any byte count: fp32 with an odd-sized bf16 head)."""
+    return _aligned(sum(n * size for n, size in zip(numels, itemsizes))
+                    + ALIGN * len(numels))
 
 
 class ShmLane:
@@ -67,10 +70,15 @@ class ShmLane:
     Args:
         regions: One uint8 tensor per group rank, each mapping that rank's file.
         rank: This rank in the group.
-        half: Bytes of one half (a step's slots).
+        half: Bytes of one half (a step's slots), a multiple of :data:`ALIGN`.
     """
 
     def __init__(self, regions: Sequence[torch.Tensor], rank: int, half: int) -> None:
+        if half % ALIGN:
+            # Every slot offset is aligned within a half; the halves must be too, or a
+            # slot of the second half cannot be viewed as a wider dtype.
+            raise ValueError(f"ShmLane: half={half} is not a multiple of {ALIGN} "
+                             "(size it with half_bytes())")
         self.regions = list(regions)
         self.rank = rank
         self.half = half

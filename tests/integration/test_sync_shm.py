@@ -14,12 +14,58 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT, clean_env, hpc_run, run_group, script
 
 SYNC = script("sync_grads_vs_ddp.py")
+
+
+#: Two ranks, mixed-dtype models (body of one dtype, a head of a smaller itemsize with
+#: an odd element count): the default sync_gradients (the lane) against shm=False, bit
+#: for bit, on every rank; each step one rank leaves the head without gradients, so the
+#: head is an owner's broadcast and the body a mean.
+MIXED = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import hpc
+
+    info = hpc.init_torch(backend="gloo", seed=0)
+    torch.set_num_threads(1)
+    pairs = [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)]
+    for body, head in pairs:
+        lane = nn.Sequential(nn.Linear(16, 16).to(body), nn.Linear(16, 3).to(head))
+        tcp = nn.Sequential(nn.Linear(16, 16).to(body), nn.Linear(16, 3).to(head))
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + info.rank)
+            for i, (a, b) in enumerate(zip(lane.parameters(), tcp.parameters())):
+                if i >= 2 and info.rank == step % 2:
+                    a.grad = b.grad = None
+                    continue
+                g = torch.randn(a.shape, generator=gen).to(a.dtype)
+                a.grad, b.grad = g.clone(), g.clone()
+            hpc.sync_gradients(lane)
+            hpc.sync_gradients(tcp, shm=False)
+            for a, b in zip(lane.parameters(), tcp.parameters()):
+                bits = a.grad.view(torch.uint8).reshape(-1)
+                if not torch.equal(bits, b.grad.view(torch.uint8).reshape(-1)):
+                    print(f"RESULT FAIL {body}+{head} step {step}: lane != shm=False",
+                          flush=True)
+                    sys.exit(1)
+                seen = [torch.empty_like(bits) for _ in range(info.world_size)]
+                dist.all_gather(seen, bits)
+                if not all(torch.equal(x, bits) for x in seen):
+                    print(f"RESULT FAIL {body}+{head} step {step}: ranks differ",
+                          flush=True)
+                    sys.exit(1)
+        used = hpc.sync.grads._CACHE[lane][1].stats["shared_memory"]
+        print(f"RESULT ok rank={info.rank} {body}+{head} shared_memory={used}", flush=True)
+""")
 
 
 def _lines(out: str, nproc: int = 2) -> list[str]:
@@ -43,6 +89,20 @@ def test_same_host_ranks_use_shared_memory_unless_turned_off(env: dict[str, str]
     assert proc.returncode == 0, out
     assert all("bitwise_vs_ddp=True" in line and f"shared_memory={used}" in line
                for line in _lines(out)), out
+
+
+@pytest.mark.timeout(120)
+def test_mixed_dtypes_through_shared_memory_equal_the_process_group(tmp_path: Path) -> None:
+    """A half of mixed itemsizes must keep every slot aligned: the first default sync
+    of fp32 + an odd-sized bf16 head died with "storage_offset() must be divisible by 4
+    to view Byte as Float"."""
+    path = tmp_path / "mixed.py"
+    path.write_text(MIXED)
+    proc = hpc_run(2, [str(path)], timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = _lines(out, 4)
+    assert all("RESULT ok" in line and "shared_memory=1" in line for line in lines), out
 
 
 @pytest.mark.timeout(120)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hpc.errors import HPCError
 from hpc.sync import _shm
+from hpc.sync._plan import make_plan
 
 
 def _lane(ws: int, half: int = 4096) -> _shm.ShmLane:
@@ -45,6 +46,35 @@ def test_mean_sums_in_rank_order_and_broadcast_copies_the_owner() -> None:
     assert torch.equal(out, expected) and str(out[2].item()) == "-0.0"
     lane.combine("broadcast", 2, 0, out)
     assert torch.equal(out, values[2])
+
+
+#: Mixed itemsizes whose byte total is not a multiple of the largest: an fp32 body with
+#: a bf16 head of odd element count, an fp64 body with an fp32 head.
+MIXED = [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)]
+
+
+@pytest.mark.parametrize("body,head", MIXED, ids=["fp32+bf16", "fp64+fp32"])
+def test_halves_sized_by_half_bytes_keep_every_slot_aligned(body: torch.dtype,
+                                                           head: torch.dtype) -> None:
+    """The lane as GradSync builds it: the half from half_bytes(), slots from place(),
+    over both halves (the first step uses the second one)."""
+    shapes = [((16, 16), body), ((16,), body), ((3, 16), head), ((3,), head)]
+    numels = [torch.Size(s).numel() for s, _ in shapes]
+    itemsizes = [d.itemsize for _, d in shapes]
+    keys = [(torch.device("cpu"), d) for _, d in shapes]
+    half = _shm.half_bytes(numels, itemsizes)
+    lane = _shm.ShmLane([torch.zeros(_shm.ALIGN + 2 * half, dtype=torch.uint8)
+                         for _ in range(2)], 0, half)
+    users = torch.ones(2, len(shapes), dtype=torch.int32)
+    for _ in range(2):
+        plan = make_plan(users, numels, keys, itemsizes, range(len(shapes)), 1 << 20, 0)
+        lane.place(plan)  # raised "storage_offset() must be divisible by 4 (or 8)"
+        for b in plan:
+            assert b.flat is not None and b.flat.dtype == b.key[1]
+            assert b.flat.data_ptr() % _shm.ALIGN == 0
+            assert b.slot + b.numel * b.key[1].itemsize <= half
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        _shm.ShmLane(lane.regions, 0, half + 2)
 
 
 @pytest.fixture
