@@ -181,9 +181,14 @@ def _map_all(paths: Sequence[str], size: int, token: int
 
 def lane_wanted(option: Optional[bool], params: Sequence[torch.Tensor], match_ddp: bool,
                 group: Optional[Any]) -> Optional[bool]:
-    """Whether this rank wants a lane; None when it cannot apply on any rank (the same
-    answer everywhere: parameters not all on the CPU, a backend without CPU tensors,
-    ``match_ddp`` at world size 3+, whose ring order only gloo reproduces)."""
+    """Whether this rank wants a lane; None when the answer is the same on every rank
+    without asking (then :func:`open_lane` sends nothing): the caller's ``shm=False``
+    (options are the same on every rank, as the parameter list is), or a lane that cannot
+    apply (parameters not all on the CPU, a backend without CPU tensors, ``match_ddp``
+    at world size 3+, whose ring order only gloo reproduces). ``HPC_SYNC_SHM=0`` answers
+    False, not None: the environment may differ between ranks, so it is agreed on."""
+    if option is False:
+        return None
     cpu = torch.device("cpu")
     if not params or any(p.device != cpu for p in params):
         return None
@@ -197,8 +202,8 @@ def lane_wanted(option: Optional[bool], params: Sequence[torch.Tensor], match_dd
 def open_lane(half: int, group: Optional[Any], want: Optional[bool],
               required: bool = False) -> Optional[ShmLane]:
     """Collectively open a lane whose halves hold ``half`` bytes, or None (the same on
-    every rank). ``want`` from :func:`lane_wanted` (None: it cannot apply, nothing is
-    sent). ``required``: raise :class:`HPCError` instead of returning None."""
+    every rank). ``want`` from :func:`lane_wanted` (None: decided without asking,
+    nothing is sent). ``required``: raise :class:`HPCError` instead of returning None."""
     if want is None:
         lane, why = None, ("it applies to CPU parameters on a backend that moves CPU "
                            "tensors, without match_ddp at world size 3 or more")

@@ -393,6 +393,7 @@ def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = No
         cached[1].sync(users)
         return
     # Built for this call only: opening shared memory (three collectives, reserving
-    # twice the gradients' bytes) would cost more than it saves once.
+    # twice the gradients' bytes) would cost more than it saves once. shm=False sends
+    # nothing for the lane (no agreement round either).
     options["shm"] = False if shm is None else shm
     GradSync(module_or_params, **options).sync(users)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.errors import HPCError
-from hpc.sync import _shm
+from hpc.sync import _shm, grads
 from hpc.sync._plan import make_plan
 
 
@@ -119,7 +119,7 @@ def test_when_the_lane_applies(world: None, monkeypatch: pytest.MonkeyPatch) -> 
     cpu = [torch.nn.Parameter(torch.zeros(2))]
     monkeypatch.delenv(_shm.ENV, raising=False)
     assert _shm.lane_wanted(None, cpu, False, None) is True
-    assert _shm.lane_wanted(False, cpu, False, None) is False
+    assert _shm.lane_wanted(False, cpu, False, None) is None  # decided: nothing asked
     monkeypatch.setenv(_shm.ENV, "0")
     assert _shm.lane_wanted(None, cpu, False, None) is False
     assert _shm.lane_wanted(True, cpu, False, None) is True  # the option wins
@@ -132,3 +132,29 @@ def test_required_but_impossible_is_an_error(world: None) -> None:
     with pytest.raises(HPCError, match=r"(?s)shm=True, but .*\nHINT: pass shm=None"):
         _shm.open_lane(4096, None, None, required=True)
     assert _shm.open_lane(4096, None, None) is None
+
+
+def test_shm_false_sends_no_lane_agreement(world: None, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """sync_gradients(list of parameters) builds a GradSync per call with shm=False;
+    asking the ranks whether they want a lane cost one collective per step. The
+    environment's HPC_SYNC_SHM=0 may differ between ranks, so it is still agreed on, once
+    per GradSync."""
+    asked: list[list[int]] = []
+
+    def recording_max(values: list[int], group: object = None) -> list[int]:
+        asked.append(list(values))
+        return list(values)
+
+    monkeypatch.setattr(_shm, "max_ints", recording_max)
+    monkeypatch.setattr(grads, "active_world", lambda group=None: 1)  # sync on 1 rank
+    net = torch.nn.Linear(3, 2)
+    for _ in range(3):
+        net(torch.randn(4, 3)).sum().backward()
+        grads.sync_gradients(list(net.parameters()))
+        grads.GradSync(net, shm=False).sync()
+    assert asked == []
+    monkeypatch.setenv(_shm.ENV, "0")
+    for _ in range(3):
+        grads.sync_gradients(net)
+    assert len(asked) == 1
