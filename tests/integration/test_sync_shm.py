@@ -68,6 +68,63 @@ MIXED = textwrap.dedent("""
 """)
 
 
+#: ``opening.py MODE``: one default sync_gradients of a small model, so the lane opens.
+#: MODE ``kill``: rank 1 SIGKILLs itself where it starts mapping the regions (every
+#: rank's region exists then); ``fail``: every mapping fails on rank 1 (as mmap does
+#: without memory); ``ok``: nothing injected. Every rank first prints its pid and the
+#: job label its region's name carries.
+OPENING = textwrap.dedent("""
+    import os
+    import signal
+    import sys
+    import torch
+    from torch import nn
+    import hpc
+    from hpc.sync import _shm
+
+    mode = sys.argv[1]
+    info = hpc.init_torch(backend="gloo", seed=0)
+    torch.set_num_threads(1)
+    label = getattr(_shm, "job_label", lambda environ: "?")(os.environ)
+    print(f"OWNER rank={info.rank} pid={os.getpid()} job={label}", flush=True)
+    if info.rank == 1 and mode == "kill":
+        def killed(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        _shm._map_all = killed
+    if info.rank == 1 and mode == "fail":
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected: cannot map the region")
+        torch.from_file = failing
+    net = nn.Linear(256, 256)
+    net(torch.randn(4, 256)).sum().backward()
+    hpc.sync_gradients(net)
+    used = hpc.sync.grads._CACHE[net][1].stats["shared_memory"]
+    print(f"RESULT ok rank={info.rank} shared_memory={used}", flush=True)
+""")
+
+
+def _in_own_dev_shm(script: Path, *modes: str) -> str:
+    """Run ``hpc run --nproc 2 -- python script MODE`` for each mode, in order, in a
+    mount namespace with a /dev/shm of its own; after each job print ``EXIT <code>`` and
+    ``LEFT <what /dev/shm holds>``. Returns the output."""
+    steps = " ".join(f'timeout 60 "$@" {m}; echo "EXIT $?"; echo "LEFT" $(ls /dev/shm);'
+                     for m in modes)
+    argv = ["unshare", "-m", "sh", "-c",
+            f"mount -t tmpfs -o size=64m tmpfs /dev/shm || exit 97; {steps}", "sh",
+            sys.executable, "-m", "hpc", "run", "--nproc", "2", "--",
+            sys.executable, str(script)]
+    proc = run_group(argv, timeout=170, env=clean_env(), cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+def _marked(out: str, mark: str) -> list[str]:
+    """What follows ``mark`` on each line that has it (after ``hpc run``'s prefix)."""
+    return [line.split(mark, 1)[1].strip() for line in out.splitlines()
+            if line.removeprefix("[rank 0] ").removeprefix("[rank 1] ").startswith(mark)]
+
+
 def _lines(out: str, nproc: int = 2) -> list[str]:
     lines = [line for line in out.splitlines() if "RESULT" in line]
     assert len(lines) == nproc, out
@@ -141,3 +198,39 @@ def test_full_dev_shm_falls_back_or_fails_clearly(shm: str) -> None:
         return
     assert proc.returncode != 0 and "RESULT ok" not in out, out
     assert "cannot reserve" in out and "No space left on device" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_rank_killed_while_the_lane_opens_leaves_no_region_past_the_next_open(
+        tmp_path: Path) -> None:
+    """A rank SIGKILLed while mapping left every rank's region in /dev/shm (resident
+    memory) after the job. A dead owner's region must carry the job and its pid in its
+    name and be gone once any later lane opens on the host; that open still works."""
+    _needs_mounts()
+    path = tmp_path / "opening.py"
+    path.write_text(OPENING)
+    out = _in_own_dev_shm(path, "kill", "ok")
+    codes, left = _marked(out, "EXIT"), _marked(out, "LEFT")
+    assert codes[0] != "0" and codes[1] == "0", out
+    assert left[1] == "", f"regions left after the next open: {left[1]}\n{out}"
+    owners = _marked(out, "OWNER")
+    rank1 = next(o for o in owners[:2] if o.startswith("rank=1"))
+    pid, job = rank1.split()[1].removeprefix("pid="), rank1.split()[2].removeprefix("job=")
+    assert any(name.startswith(f"hpc-grads-{job}-") and name.endswith(f"-1-{pid}")
+               for name in left[0].split()), f"{left[0]!r} vs job {job} pid {pid}\n{out}"
+    second = out[out.index("EXIT"):]
+    assert all("shared_memory=1" in line for line in _lines(second)), out
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_cannot_map_makes_every_rank_fall_back(tmp_path: Path) -> None:
+    """An exception while mapping skipped the unlink and left the peer waiting in the
+    next collective: it must be an answer every rank hears (fall back to the group),
+    with nothing left in /dev/shm."""
+    _needs_mounts()
+    path = tmp_path / "opening.py"
+    path.write_text(OPENING)
+    out = _in_own_dev_shm(path, "fail")
+    assert _marked(out, "EXIT") == ["0"], out
+    assert _marked(out, "LEFT") == [""], out
+    assert all("shared_memory=0" in line for line in _lines(out)), out

@@ -81,29 +81,41 @@ def test_halves_sized_by_half_bytes_keep_every_slot_aligned(body: torch.dtype,
 def token() -> Iterator[int]:
     tok = int(uuid.uuid4().int % (1 << 52))
     yield tok
-    for p in Path(_shm.SHM_DIR).glob(f"hpc-grads-{tok:014x}-*"):
+    for p in Path(_shm.SHM_DIR).glob(f"hpc-grads-*-{tok:014x}-*"):
         p.unlink()
 
 
 @pytest.mark.skipif(not os.path.isdir(_shm.SHM_DIR), reason="no /dev/shm on this system")
-def test_files_are_reserved_mapped_and_stamped(token: int) -> None:
-    paths = [os.path.join(_shm.SHM_DIR, f"hpc-grads-{token:014x}-{r}") for r in range(2)]
+def test_regions_are_reserved_stamped_and_locked_before_they_are_named(token: int) -> None:
+    paths = [os.path.join(_shm.SHM_DIR, _shm.region_name("t", token, r, 1000 + r))
+             for r in range(2)]
     size = _shm.ALIGN + 2 * 4096
+    fds, mine = [], []
     for r, path in enumerate(paths):
-        assert _shm._create(path, size) is None
+        fd, region, why = _shm._create(path, size, _shm._stamp(token, r))
+        assert why is None and fd is not None and region is not None
         assert os.path.getsize(path) == size
-        torch.from_file(path, shared=True, size=size, dtype=torch.uint8)[:24].view(
-            torch.int64).copy_(_shm._stamp(token, r))
-    assert "cannot create" in (_shm._create(paths[0], size) or "")  # O_EXCL
-    regions, why = _shm._map_all(paths, size, token)
-    assert why is None and len(regions) == 2
-    regions[1][100] = 7  # a write through one mapping is seen through another
-    assert torch.from_file(paths[1], shared=True, size=size, dtype=torch.uint8)[100] == 7
-    _, why = _shm._map_all(paths, size, token + 1)
-    assert "holds another stamp" in (why or "")
-    os.unlink(paths[1])
-    _, why = _shm._map_all(paths, size, token)
-    assert "rank 1's" in (why or "") and "not visible here" in (why or "")
+        fds.append(fd)
+        mine.append(region)
+    try:
+        assert not set(_shm.sweep()) & {os.path.basename(p) for p in paths}  # locked
+        _, _, why = _shm._create(paths[0], size, _shm._stamp(token, 0))
+        assert "cannot name" in (why or "") and "File exists" in (why or "")
+        regions, why = _shm._map_all(_shm.SHM_DIR, token, 0, 2, mine[0])
+        assert why is None and len(regions) == 2 and regions[0] is mine[0]
+        regions[1][100] = 7  # a write through one mapping is seen through another
+        assert mine[1][100] == 7
+        _, why = _shm._map_all(_shm.SHM_DIR, token + 1, 0, 2, mine[0])
+        assert "rank 1's" in (why or "") and "not visible here" in (why or "")
+        mine[1][:_shm.STAMP_BYTES].view(torch.int64).copy_(_shm._stamp(token, 5))
+        _, why = _shm._map_all(_shm.SHM_DIR, token, 0, 2, mine[0])
+        assert "holds another stamp" in (why or "")
+        os.unlink(paths[1])
+        _, why = _shm._map_all(_shm.SHM_DIR, token, 0, 2, mine[0])
+        assert "rank 1's /dev/shm/hpc-grads-" in (why or "") and "not visible" in (why or "")
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @pytest.fixture
@@ -158,3 +170,83 @@ def test_shm_false_sends_no_lane_agreement(world: None, monkeypatch: pytest.Monk
     for _ in range(3):
         grads.sync_gradients(net)
     assert len(asked) == 1
+
+
+def _regions_of(token: int) -> list[str]:
+    return sorted(p.name for p in Path(_shm.SHM_DIR).glob(f"hpc-grads-*{token:014x}*"))
+
+
+@pytest.fixture
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The tokens of the lanes this test opens (read from the agreement)."""
+    tokens: list[int] = []
+    real = _shm._agree
+
+    def agree(want: bool, group: object) -> tuple[bool, int]:
+        everyone, token = real(want, group)
+        tokens.append(token)
+        return everyone, token
+
+    monkeypatch.setattr(_shm, "_agree", agree)
+    return tokens
+
+
+@pytest.mark.skipif(not os.path.isdir(_shm.SHM_DIR), reason="no /dev/shm on this system")
+def test_an_error_in_a_collective_while_opening_leaves_no_region(
+        world: None, opened: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer dying while the lane opens makes gloo raise in the next collective; the
+    region must still be unlinked (it was kept: tmpfs is resident memory)."""
+    calls = []
+
+    def all_true(ok: bool, group: object = None) -> bool:
+        calls.append(ok)
+        if len(calls) == 2:  # "every rank mapped every region"
+            raise RuntimeError("Connection closed by peer")
+        return ok
+
+    monkeypatch.setattr(_shm, "all_true", all_true)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        _shm.open_lane(4096, None, True)
+    assert _regions_of(opened[0]) == []
+
+
+@pytest.mark.skipif(not os.path.isdir(_shm.SHM_DIR), reason="no /dev/shm on this system")
+def test_a_mapping_error_is_an_answer_not_an_exception(
+        world: None, opened: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception while mapping skipped the unlink and the collectives the peers wait
+    in; it must become the reason every rank falls back (or raises with shm=True)."""
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("mmap: Cannot allocate memory")
+
+    monkeypatch.setattr(torch, "from_file", failing)
+    assert _shm.open_lane(4096, None, True) is None
+    with pytest.raises(HPCError, match="Cannot allocate memory"):
+        _shm.open_lane(4096, None, True, required=True)
+    assert [_regions_of(t) for t in opened] == [[], []]
+
+
+def test_sweep_removes_regions_whose_owner_is_gone(tmp_path: Path) -> None:
+    """A region's owner holds a lock on it until it unlinks it; one nobody holds was left
+    by a dead process (SIGKILL, the OOM killer) and goes at the next open. A pid in the
+    name would not tell: pids are reused, and ranks in containers sharing /dev/shm
+    (``--ipc=host``) each see their own pid namespace."""
+    import fcntl
+
+    token = 0x1234567890ABCD
+    names = [_shm.region_name("4242", token, r, 1000 + r) for r in range(3)]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "hpc-grads-1234567890abcd-0").write_bytes(b"x")  # another version's name
+    (tmp_path / "unrelated").write_bytes(b"x")
+    alive = os.open(tmp_path / names[1], os.O_RDONLY)
+    try:
+        fcntl.flock(alive, fcntl.LOCK_EX)  # rank 1's owner is still opening its lane
+        assert sorted(_shm.sweep(str(tmp_path))) == [names[0], names[2]]
+    finally:
+        os.close(alive)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [names[1], "hpc-grads-1234567890abcd-0", "unrelated"])
+    assert names[0] == "hpc-grads-4242-1234567890abcd-0-1000"
+    assert _shm.job_label({"SLURM_JOB_ID": "77", "HPC_RUN_ID": "x"}) == "77"
+    assert _shm.job_label({"HPC_RUN_ID": "ab-c/1"}) == "ab_c_1"
+    assert _shm.job_label({}) == "0"
