@@ -7,11 +7,15 @@ instead packs its buckets into its own file in ``/dev/shm``, which every rank ha
 mapped; one barrier (a gloo collective, so a full memory barrier on every rank) says
 that all ranks have packed, and each rank then reads the others' buckets directly:
 a broadcast bucket is one copy from its owner's region, a mean is the sum of every
-rank's region, in rank order (so every rank computes the same bits).
+rank's region, in rank order (so every rank computes the same bits). From
+:data:`SCATTER_FROM` ranks on, a mean is reduce-scattered instead: each rank sums one
+slice of it over every region (in rank order: the same bits) and publishes that sum in
+its own region, and after a second barrier each copies the others' slices, so that a
+rank reads about twice a mean's bytes, not world size times.
 
 Each region holds two halves, used in alternate steps: a rank writes step k+2 into the
-half of step k only after the barrier of step k+1, which no rank passes before it has
-finished reading step k. The results are copied into the rank's private buffers, so the
+half of step k only after the (first) barrier of step k+1, which no rank passes before
+it has finished reading step k. The results are copied into the rank's private buffers, so the
 gradients never alias shared memory (clipping them in place, or ``zero_grad(
 set_to_none=False)``, cannot reach another rank's read).
 
@@ -62,6 +66,10 @@ SHM_DIR = "/dev/shm"
 ALIGN = 64
 #: ``HPC_SYNC_SHM=0`` turns the lane off where it would be used by default.
 ENV = "HPC_SYNC_SHM"
+#: From this world size on a mean is reduce-scattered (:meth:`ShmLane.exchange`): a
+#: rank reads ~2x a mean's bytes instead of ws x, for a second barrier per step.
+#: Measured in docs/sync.md.
+SCATTER_FROM = 4
 #: Every region's name starts so (:func:`region_name`).
 PREFIX = "hpc-grads-"
 _NAME = re.compile(r"^hpc-grads-(?P<job>[A-Za-z0-9._]+)-(?P<token>[0-9a-f]{14})"
@@ -73,8 +81,12 @@ _JOB_VARIABLES = ("SLURM_JOB_ID", "SLURM_JOBID", "PBS_JOBID", "LSB_JOBID", "FLUX
 STAMP_BYTES = 24
 
 
+def _ceil(n: int, d: int) -> int:
+    return -(-n // d)
+
+
 def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return _ceil(n, ALIGN) * ALIGN
 
 
 def half_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
@@ -93,9 +105,12 @@ class ShmLane:
         regions: One uint8 tensor per group rank, each mapping that rank's file.
         rank: This rank in the group.
         half: Bytes of one half (a step's slots), a multiple of :data:`ALIGN`.
+        scatter: Reduce-scatter the means (:meth:`exchange`); None: from
+            :data:`SCATTER_FROM` ranks on.
     """
 
-    def __init__(self, regions: Sequence[torch.Tensor], rank: int, half: int) -> None:
+    def __init__(self, regions: Sequence[torch.Tensor], rank: int, half: int,
+                 scatter: Optional[bool] = None) -> None:
         if half % ALIGN:
             # Every slot offset is aligned within a half; the halves must be too, or a
             # slot of the second half cannot be viewed as a wider dtype.
@@ -104,6 +119,8 @@ class ShmLane:
         self.regions = list(regions)
         self.rank = rank
         self.half = half
+        #: Reduce-scatter the means (see :meth:`exchange`); by world size by default.
+        self.scatter = len(self.regions) >= SCATTER_FROM if scatter is None else scatter
         self._step = 0
 
     def begin_step(self) -> None:
@@ -135,12 +152,34 @@ class ShmLane:
             b.flat = self.slot(self.rank, off, b.numel, b.key[1]) if mine else None
 
     def exchange(self, plan: Sequence[Any], arena: Any, group: Optional[Any]) -> None:
-        """After packing: one barrier, then every bucket's result into a private buffer
-        from ``arena`` (``flat`` then points at it)."""
-        start_max(torch.zeros(1, dtype=torch.int64), group, "barrier").wait()
-        for b in plan:
-            out = arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel)
-            self.combine(b.kind, b.owner, b.slot, out)
+        """After packing: a barrier, then every bucket's result into a private buffer
+        from ``arena`` (``flat`` then points at it).
+
+        Below :data:`SCATTER_FROM` ranks each rank sums every rank's whole slot of a
+        mean (:meth:`combine`). From it on a mean is reduce-scattered: each rank sums
+        its own slice of the mean over every rank into its buffer and publishes it in
+        its own slot (:meth:`reduce_slice`), a second barrier, and each copies the
+        others' sums of their slices (:meth:`gather_slices`). Per rank that reads about
+        twice a mean's bytes instead of ``world size`` times; every element is summed in
+        the same rank order either way, so the bits are the same.
+        """
+        _barrier(group)
+        outs = [arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel) for b in plan]
+        if not self.scatter:
+            for b, out in zip(plan, outs):
+                self.combine(b.kind, b.owner, b.slot, out)
+        else:
+            for b, out in zip(plan, outs):
+                if b.kind == "broadcast":
+                    self.combine(b.kind, b.owner, b.slot, out)
+                else:
+                    self.reduce_slice(b.slot, out)
+            if any(b.kind == "mean" for b in plan):
+                _barrier(group)  # every rank has published its slices
+                for b, out in zip(plan, outs):
+                    if b.kind == "mean":
+                        self.gather_slices(b.slot, out)
+        for b, out in zip(plan, outs):
             b.flat = out
 
     def combine(self, kind: str, owner: int, offset: int, out: torch.Tensor) -> None:
@@ -153,6 +192,44 @@ class ShmLane:
         torch.add(slots[0], slots[1], out=out)
         for extra in slots[2:]:
             out.add_(extra)
+
+    def slices(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        """Each rank's ``[start, end)`` of a mean of ``numel`` elements: equal parts,
+        rounded up to whole :data:`ALIGN` blocks (no two ranks write one cache line)."""
+        block = max(1, ALIGN // itemsize)
+        ws = len(self.regions)
+        per = _ceil(_ceil(numel, ws), block) * block
+        return [(min(numel, r * per), min(numel, (r + 1) * per)) for r in range(ws)]
+
+    def _part(self, rank: int, offset: int, lo: int, hi: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        return self.slot(rank, offset + lo * dtype.itemsize, hi - lo, dtype)
+
+    def reduce_slice(self, offset: int, out: torch.Tensor) -> None:
+        """This rank's slice of a mean: the sum over every rank's slot, in rank order,
+        into ``out``'s slice and, for the others, over this rank's own slot's slice (no
+        other rank reads that part of it before the next barrier)."""
+        lo, hi = self.slices(out.numel(), out.itemsize)[self.rank]
+        if lo == hi:
+            return
+        dtype, mine = out.dtype, out[lo:hi]
+        parts = [self._part(r, offset, lo, hi, dtype) for r in range(len(self.regions))]
+        torch.add(parts[0], parts[1], out=mine)
+        for extra in parts[2:]:
+            mine.add_(extra)
+        parts[self.rank].copy_(mine)
+
+    def gather_slices(self, offset: int, out: torch.Tensor) -> None:
+        """The other ranks' slices of a mean, as they published them (after the second
+        barrier)."""
+        for r, (lo, hi) in enumerate(self.slices(out.numel(), out.itemsize)):
+            if r != self.rank and lo < hi:
+                out[lo:hi].copy_(self._part(r, offset, lo, hi, out.dtype))
+
+
+def _barrier(group: Optional[Any]) -> None:
+    """Every rank of ``group`` got here (a gloo collective: also a full memory barrier)."""
+    start_max(torch.zeros(1, dtype=torch.int64), group, "barrier").wait()
 
 
 def _stamp(token: int, rank: int) -> torch.Tensor:

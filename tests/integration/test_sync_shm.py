@@ -148,6 +148,20 @@ def test_same_host_ranks_use_shared_memory_unless_turned_off(env: dict[str, str]
                for line in _lines(out)), out
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("args", [[], ["--users", "--api", "backward"]],
+                         ids=["sync", "backward-users"])
+def test_four_ranks_reduce_scatter_through_shared_memory(args: list[str]) -> None:
+    """From four ranks on the means are reduce-scattered (each rank sums one slice):
+    every rank must still hold the same bits, within the documented tolerance of DDP
+    (whose gloo ring sums three or more terms in another order)."""
+    proc = hpc_run(4, [SYNC, "--expect", "close", *args], timeout=130)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert all("RESULT ok" in line and "shared_memory=1" in line
+               for line in _lines(out, 4)), out
+
+
 @pytest.mark.timeout(120)
 def test_mixed_dtypes_through_shared_memory_equal_the_process_group(tmp_path: Path) -> None:
     """A half of mixed itemsizes must keep every slot aligned: the first default sync

@@ -4,8 +4,9 @@ arithmetic, creating and mapping real files in /dev/shm, and when the lane appli
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from hpc.errors import HPCError
 from hpc.sync import _shm, grads
-from hpc.sync._plan import make_plan
+from hpc.sync._plan import Bucket, make_plan
 
 
 def _lane(ws: int, half: int = 4096) -> _shm.ShmLane:
@@ -46,6 +47,103 @@ def test_mean_sums_in_rank_order_and_broadcast_copies_the_owner() -> None:
     assert torch.equal(out, expected) and str(out[2].item()) == "-0.0"
     lane.combine("broadcast", 2, 0, out)
     assert torch.equal(out, values[2])
+
+
+class _Arena:
+    def take(self, device: torch.device, dtype: torch.dtype, numel: int,
+             capacity: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _exchange_in_threads(ws: int, plan_of: Callable[[], list[Bucket]],
+                         monkeypatch: pytest.MonkeyPatch
+                         ) -> tuple[list[list[Bucket]], list[list[torch.Tensor]],
+                                    list[dict[int, int]]]:
+    """Run one step of a ``ws``-rank lane, one thread per rank, the barrier a threading
+    one. Returns per rank: its plan, what each rank packed, and the bytes of every other
+    rank's region it viewed (``slot()`` is how the lane reads a region)."""
+    barrier = threading.Barrier(ws, timeout=30)
+
+    class Done:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def wait(self) -> torch.Tensor:
+            barrier.wait()
+            return self.t
+
+    monkeypatch.setattr(_shm, "start_max", lambda t, group, *a, **kw: Done(t))
+    half = 1 << 16
+    regions = [torch.zeros(_shm.ALIGN + 2 * half, dtype=torch.uint8) for _ in range(ws)]
+    read: list[dict[int, int]] = [{} for _ in range(ws)]
+    real_slot = _shm.ShmLane.slot
+
+    def counted(self: _shm.ShmLane, rank: int, offset: int, numel: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        if rank != self.rank:
+            read[self.rank][rank] = read[self.rank].get(rank, 0) + numel * dtype.itemsize
+        return real_slot(self, rank, offset, numel, dtype)
+
+    monkeypatch.setattr(_shm.ShmLane, "slot", counted)
+    plans = [plan_of() for _ in range(ws)]
+    packed: list[list[torch.Tensor]] = [[] for _ in range(ws)]
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            lane = _shm.ShmLane(regions, r, half)
+            lane.place(plans[r])
+            gen = torch.Generator().manual_seed(r)
+            for b in plans[r]:
+                v = (torch.randn(b.numel, generator=gen) * 1e3).to(b.key[1])
+                v[::7] = -0.0
+                packed[r].append(v)
+                if b.flat is not None:
+                    b.flat.copy_(v)
+            lane.exchange(plans[r], _Arena(), None)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ws)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return plans, packed, read
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4, 8])
+def test_a_mean_reads_each_byte_about_twice_at_any_world_size(
+        ws: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Summing every rank's whole slot made a rank read ws slots of every mean (at 32
+    ranks of a 100M-parameter fp32 model, ~12.8 GB per rank per step). A rank must read
+    about twice a mean's bytes from the others at any world size, and every rank still
+    gets the rank-order sum (the bits of the direct sum) and the owner's broadcast."""
+    cpu = torch.device("cpu")
+
+    def plan() -> list[Bucket]:
+        out = [Bucket("mean", -1, (cpu, torch.float32)), Bucket("mean", -1, (cpu,
+               torch.bfloat16)), Bucket("broadcast", 1, (cpu, torch.float32))]
+        for b, n in zip(out, (10_001, 4_099, 333)):
+            b.add(0, n)
+        return out
+
+    plans, packed, read = _exchange_in_threads(ws, plan, monkeypatch)
+    for r in range(ws):
+        for i, b in enumerate(plans[r]):
+            if b.kind == "broadcast":
+                expected = packed[1][i]
+            else:
+                expected = packed[0][i] + packed[1][i]
+                for q in range(2, ws):
+                    expected = expected + packed[q][i]
+            assert torch.equal(b.flat.view(torch.uint8), expected.view(torch.uint8)), (r, i)
+    means = 10_001 * 4 + 4_099 * 2
+    for r in range(ws):
+        peers = sum(read[r].values()) - (333 * 4 if r != 1 else 0)
+        assert peers <= 2 * means + 64 * ws * 2, (r, peers, means, read[r])
 
 
 #: Mixed itemsizes whose byte total is not a multiple of the largest: an fp32 body with
