@@ -182,6 +182,10 @@ class ShmLane:
         for b, out in zip(plan, outs):
             b.flat = out
 
+    def barriers(self, plan: Sequence[Any]) -> int:
+        """Collectives (barriers) :meth:`exchange` runs for ``plan``."""
+        return 2 if self.scatter and any(b.kind == "mean" for b in plan) else 1
+
     def combine(self, kind: str, owner: int, offset: int, out: torch.Tensor) -> None:
         """Write the bucket's result into ``out`` (after the step's barrier)."""
         numel, dtype = out.numel(), out.dtype

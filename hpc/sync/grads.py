@@ -350,7 +350,8 @@ class GradSync:
                     view = self._layout.view(flat, off, i)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
-            self.stats = self._layout.stats(plan, sent, shm=self._lane is not None)
+            barriers = None if self._lane is None else self._lane.barriers(plan)
+            self.stats = self._layout.stats(plan, sent, barriers)
         finally:
             self._arena.end_step()
 

@@ -140,6 +140,9 @@ def test_a_mean_reads_each_byte_about_twice_at_any_world_size(
                 for q in range(2, ws):
                     expected = expected + packed[q][i]
             assert torch.equal(b.flat.view(torch.uint8), expected.view(torch.uint8)), (r, i)
+    lane = _shm.ShmLane([torch.zeros(64 * 3, dtype=torch.uint8)] * ws, 0, 64)
+    assert lane.barriers(plans[0]) == (2 if ws >= _shm.SCATTER_FROM else 1)  # stats
+    assert lane.barriers(plans[0][2:]) == 1  # broadcasts only: one barrier
     means = 10_001 * 4 + 4_099 * 2
     for r in range(ws):
         peers = sum(read[r].values()) - (333 * 4 if r != 1 else 0)
