@@ -11,7 +11,9 @@ the phases nested in it) and runs the benchmark's training loop:
 * ``wait``        waiting for them (transfer time not hidden behind other work);
 * ``barrier``     shared-memory exchange only: waiting until every rank has packed;
 * ``combine``     shared-memory exchange only: reading the other ranks' buckets
-  (broadcast copies, sums of means) into this rank's own buffers;
+  (broadcast copies, sums of means; reduce-scattered, this rank's slices and copying
+  the others') into this rank's own buffers; a second barrier of the reduce-scatter
+  counts as ``barrier``;
 * ``rest``        the remainder of ``sync``: pointing ``.grad`` at the results, stats,
   Python bookkeeping.
 """
@@ -31,7 +33,9 @@ from torch import nn
 import hpc
 from hpc.sync import _shm, grads
 
-_ORIG_COMBINE = _shm.ShmLane.combine
+#: The lane's combining steps, timed as ``combine``.
+_COMBINE = ("combine", "reduce_slice", "gather_slices")
+_ORIG = {name: getattr(_shm.ShmLane, name) for name in _COMBINE}
 
 PHASES = ("agreement", "plan", "pack", "issue", "wait", "barrier", "combine", "rest")
 
@@ -85,7 +89,8 @@ def _instrument(gs: hpc.GradSync, t: _Timers, users: bool) -> None:
     gs._launch_ready = t.wrap("issue", gs._launch_ready)  # type: ignore[method-assign]
     gs.sync = t.wrap("rest", gs.sync)  # type: ignore[method-assign]
     _shm.start_max = timed_work("barrier", _shm.start_max)
-    _shm.ShmLane.combine = t.wrap("combine", _ORIG_COMBINE)  # type: ignore[method-assign]
+    for name in _COMBINE:
+        setattr(_shm.ShmLane, name, t.wrap("combine", _ORIG[name]))
 
 
 def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
@@ -96,8 +101,9 @@ def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
     y = torch.randint(0, 10, (batch,), generator=gen)
     steps = args.steps * args.repeats
     nblocks = len(model.blocks)
+    combines = args.combine.split(",")
     for gname, group in groups.items():
-        for use_users in (False, True):
+        for use_users, combine in [(u, c) for u in (False, True) for c in combines]:
             orig = (grads.start_all_gather, grads.start_bucket, _shm.start_max)
             gs = hpc.GradSync(model, group=group)
             t = _Timers()
@@ -106,6 +112,8 @@ def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
             ws = dist.get_world_size(group)
             try:
                 for k in range(args.warmup + steps):
+                    if gs._lane is not None and combine != "auto":
+                        gs._lane.scatter = combine == "scatter"
                     for p in model.parameters():
                         p.grad = None
                     path = path_of(info.rank, k, nblocks)
@@ -121,17 +129,24 @@ def profile(model: nn.Module, batch: int, args: Any, info: hpc.DistInfo,
                         per_step.append(time.perf_counter() - t0)
             finally:
                 grads.start_all_gather, grads.start_bucket, _shm.start_max = orig
-                _shm.ShmLane.combine = _ORIG_COMBINE  # type: ignore[method-assign]
+                for name in _COMBINE:
+                    setattr(_shm.ShmLane, name, _ORIG[name])
             if info.rank == 0:
-                _report(gname, group, batch, use_users, t, per_step, gs.stats, steps)
+                lane = gs._lane
+                how = "" if lane is None else (" combine=scatter" if lane.scatter
+                                               else " combine=direct")
+                _report(gname, group, batch, use_users, t, per_step, gs.stats, steps,
+                        how)
 
 
 def _report(gname: str, group: Any, batch: int, use_users: bool, t: _Timers,
-            per_step: list[float], stats: dict[str, int], steps: int) -> None:
+            per_step: list[float], stats: dict[str, int], steps: int,
+            how: str = "") -> None:
     from _groups import describe_group
     mode = "sync(users=...)" if use_users else "sync()"
-    print(f"\nprofile: {mode}, batch {batch}, group {gname!r} ({describe_group(group)}),"
-          f" {steps} steps after a barrier; last step {stats}")
+    print(f"\nprofile: {mode}{how}, batch {batch}, group {gname!r} "
+          f"({describe_group(group)}), ws {dist.get_world_size(group)}, {steps} steps "
+          f"after a barrier; last step {stats}")
     print(f"{'phase':<10} {'ms/step':>8} {'share':>6}")
     total = sum(t.total.values())
     for ph in PHASES:

@@ -21,7 +21,10 @@ under the same machine load:
 * ``bf16``      ``GradSync(comm_dtype=torch.bfloat16).sync(users=...)`` (not bitwise);
 * ``<mode>-tcp`` (``gradsync-tcp``, ``users-tcp``, ...) the same with ``shm=False``:
   through the process group even where all ranks share this host (the GradSync modes
-  above use the shared-memory exchange there, the default).
+  above use the shared-memory exchange there, the default);
+* ``<mode>-direct``, ``<mode>-scatter`` (``users-direct``, ...) the shared-memory
+  exchange with its means summed whole by every rank, or reduce-scattered, whatever the
+  world size would choose (``hpc.sync._shm.SCATTER_FROM``).
 
 Every mode runs on each process group of ``--groups``, also interleaved: ``hpc``, the
 world group ``hpc.init_torch`` created (under ``hpc run``: two gloo connections,
@@ -34,7 +37,9 @@ Run (2 ranks, gloo, one table per batch size and group on rank 0)::
 
 Options: ``--batches 256,64`` (compute- and communication-bound), ``--steps 20`` timed
 steps per window, ``--repeats 5`` windows per mode (median), ``--dim 448``,
-``--blocks 8``, ``--profile`` (where one ``sync`` step's time goes, per phase).
+``--blocks 8``, ``--profile`` (where one ``sync`` step's time goes, per phase),
+``--combine auto,direct,scatter`` (with ``--profile``: profile each way of combining
+means through shared memory).
 """
 
 from __future__ import annotations
@@ -99,6 +104,13 @@ def path_of(rank: int, step: int, blocks: int) -> list[int]:
     return [int(c) for c in torch.randint(0, 4, (blocks,), generator=gen)]
 
 
+def _base(mode: str) -> str:
+    """``users-tcp`` -> ``users``: the GradSync mode without its transport suffix."""
+    for suffix in ("-tcp", "-direct", "-scatter"):
+        mode = mode.removesuffix(suffix)
+    return mode
+
+
 def per_tensor(model: nn.Module, group: Any) -> None:
     """The naive fix: one all_reduce per parameter, zeros where unused."""
     ws = dist.get_world_size(group)
@@ -119,15 +131,18 @@ class Runner:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.ws = dist.get_world_size(group)
         self.sync: Optional[Callable[[int], None]] = None
+        self.scatter: Optional[bool] = None  # force the shm lane's way of combining
         self.backward: Callable[[torch.Tensor, int], None] = lambda loss, k: loss.backward()
         if mode.startswith("ddp"):
             self.net = nn.parallel.DistributedDataParallel(
                 self.model, find_unused_parameters=True, process_group=group)
             if mode == "ddp-bf16":
                 self.net.register_comm_hook(group, bf16_hook)
-        elif mode.removesuffix("-tcp") in ("gradsync", "users", "overlap", "bf16"):
+        elif _base(mode) in ("gradsync", "users", "overlap", "bf16"):
             shm = False if mode.endswith("-tcp") else None
-            mode = mode.removesuffix("-tcp")
+            if mode.endswith(("-direct", "-scatter")):
+                self.scatter = mode.endswith("-scatter")
+            mode = _base(mode)
             dtype = torch.bfloat16 if mode == "bf16" else None
             gs = self.gs = hpc.GradSync(self.model, group=group, comm_dtype=dtype, shm=shm)
             if mode == "gradsync":
@@ -148,6 +163,9 @@ class Runner:
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
             start: int, steps: int) -> float:
         """Time ``steps`` training steps; returns seconds (all ranks done)."""
+        lane = getattr(getattr(self, "gs", None), "_lane", None)  # opened by a first sync
+        if lane is not None and self.scatter is not None:
+            lane.scatter = self.scatter
         dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for k in range(start, start + steps):
@@ -208,6 +226,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank")
     ap.add_argument("--profile", action="store_true",
                     help="print where a GradSync step's time goes instead")
+    ap.add_argument("--combine", default="auto",
+                    help="with --profile: auto,direct,scatter (the shm lane's means)")
     args = ap.parse_args(argv)
     args.modes = args.modes.split(",")
     info = hpc.init_torch(backend="gloo")

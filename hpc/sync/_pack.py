@@ -52,11 +52,15 @@ class Layout:
         self.strides = [None if p.is_contiguous() or not dense_layout(p) else p.stride()
                         for p in self.params]
 
-    def stats(self, plan: Sequence[Bucket], sent: int, shm: bool) -> dict[str, int]:
+    def stats(self, plan: Sequence[Bucket], sent: int,
+              barriers: int | None) -> dict[str, int]:
         """:attr:`hpc.GradSync.stats` of a step: parameters synced and skipped, bytes
-        per bucket kind, collectives (one barrier through shared memory)."""
+        per bucket kind, collectives (through shared memory: its ``barriers``; None:
+        not through shared memory)."""
+        shm = barriers is not None
         out = {"params_synced": sent, "params_skipped": len(self.params) - sent,
-               "collectives": 1 if shm and plan else len(plan), "shared_memory": int(shm)}
+               "collectives": barriers if barriers is not None else len(plan),
+               "shared_memory": int(shm)}
         for k in BUCKET_KINDS:  # "broadcast_bytes", "mean_bytes"
             out[f"{k}_bytes"] = sum(b.numel * self.itemsizes[b.idx[0]]
                                     for b in plan if b.kind == k)

@@ -7,29 +7,45 @@ instead packs its buckets into its own file in ``/dev/shm``, which every rank ha
 mapped; one barrier (a gloo collective, so a full memory barrier on every rank) says
 that all ranks have packed, and each rank then reads the others' buckets directly:
 a broadcast bucket is one copy from its owner's region, a mean is the sum of every
-rank's region, in rank order (so every rank computes the same bits).
+rank's region, in rank order (so every rank computes the same bits). From
+:data:`SCATTER_FROM` ranks on, a mean is reduce-scattered instead: each rank sums one
+slice of it over every region (in rank order: the same bits) and publishes that sum in
+its own region, and after a second barrier each copies the others' slices, so that a
+rank reads about twice a mean's bytes, not world size times.
 
 Each region holds two halves, used in alternate steps: a rank writes step k+2 into the
-half of step k only after the barrier of step k+1, which no rank passes before it has
-finished reading step k. The results are copied into the rank's private buffers, so the
+half of step k only after the (first) barrier of step k+1, which no rank passes before
+it has finished reading step k. The results are copied into the rank's private buffers, so the
 gradients never alias shared memory (clipping them in place, or ``zero_grad(
 set_to_none=False)``, cannot reach another rank's read).
 
-Opening is collective and decided on every rank alike: one MAX over the ranks agrees whether
-every rank wants it (and carries rank 0's random token, which names the files), one says
-whether every rank could create its file (``posix_fallocate`` reserves the memory, so a
-full ``/dev/shm`` is refused now instead of a SIGBUS later), one whether every rank
-mapped every other rank's file and read back its stamp (ranks on other hosts, or in
-containers with their own ``/dev/shm``, do not see the file: the group keeps gloo).
-Each file is unlinked as soon as all ranks mapped it, so nothing is left behind even if
-the job is killed later.
+Opening is collective and decided on every rank alike: one MAX over the ranks agrees
+whether every rank wants it (and carries rank 0's random token); each rank then reserves
+its region as a file without a name (``O_TMPFILE``; ``posix_fallocate`` reserves the
+memory, so a full ``/dev/shm`` is refused now instead of a SIGBUS later), locks it
+(``flock``), maps and stamps it, and only then names it
+``hpc-grads-<job>-<token>-<rank>-<pid>`` (:func:`region_name`); one MAX says whether
+every rank could, one whether every rank mapped every other rank's region and read back
+its stamp (ranks on other hosts, or in containers with their own ``/dev/shm``, do not
+see the file: the group keeps gloo). A region that cannot be mapped is an answer in that
+MAX, never an exception that would leave the peers waiting. Each rank unlinks its name
+as soon as all ranks mapped it, or as soon as the opening fails or raises, so nothing
+is left behind once the lane is open, even if the job is killed later.
+
+A rank killed between naming and unlinking (or stopped by its launcher while it waits
+for such a peer) does leave its file, but not its lock: every opening first removes the
+``hpc-grads-*`` files nobody holds (:func:`sweep`), as does a rank whose opening
+collective raised; a scheduler's epilog can remove a job's with ``rm -f
+/dev/shm/hpc-grads-$SLURM_JOB_ID-*``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -39,7 +55,8 @@ from hpc.errors import HPCError
 from hpc.sync._collective import comm_device, start_max
 from hpc.sync.agree import all_true, max_ints
 
-__all__ = ["ShmLane", "open_lane", "lane_wanted", "half_bytes", "SHM_DIR", "ENV"]
+__all__ = ["ShmLane", "open_lane", "lane_wanted", "half_bytes", "sweep", "job_label",
+           "region_name", "SHM_DIR", "ENV", "PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +66,36 @@ SHM_DIR = "/dev/shm"
 ALIGN = 64
 #: ``HPC_SYNC_SHM=0`` turns the lane off where it would be used by default.
 ENV = "HPC_SYNC_SHM"
+#: From this world size on a mean is reduce-scattered (:meth:`ShmLane.exchange`): a
+#: rank reads ~2x a mean's bytes instead of ws x, for a second barrier per step.
+#: Measured in docs/sync.md.
+SCATTER_FROM = 4
+#: Every region's name starts so (:func:`region_name`).
+PREFIX = "hpc-grads-"
+_NAME = re.compile(r"^hpc-grads-(?P<job>[A-Za-z0-9._]+)-(?P<token>[0-9a-f]{14})"
+                   r"-(?P<rank>\d+)-(?P<pid>\d+)$")
+#: Where :func:`job_label` looks, in order: schedulers first (an epilog knows their id).
+_JOB_VARIABLES = ("SLURM_JOB_ID", "SLURM_JOBID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID",
+                  "HPC_RUN_ID", "TORCHELASTIC_RUN_ID")
+#: Bytes of the stamp at the start of a region (inside its first ALIGN bytes).
+STAMP_BYTES = 24
+
+
+def _ceil(n: int, d: int) -> int:
+    return -(-n // d)
 
 
 def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return _ceil(n, ALIGN) * ALIGN
 
 
 def half_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
     """Bytes one step's half must hold for these parameters: every one on the wire, each
-    in its own aligned slot at worst (a parameter is in one bucket at most)."""
-    return sum(n * size for n, size in zip(numels, itemsizes)) + ALIGN * len(numels)
+    in its own aligned slot at worst (a parameter is in one bucket at most), rounded up
+    to :data:`ALIGN` so that the second half starts aligned as well (mixed itemsizes
+    sum to any byte count: fp32 with an odd-sized bf16 head)."""
+    return _aligned(sum(n * size for n, size in zip(numels, itemsizes))
+                    + ALIGN * len(numels))
 
 
 class ShmLane:
@@ -67,13 +104,23 @@ class ShmLane:
     Args:
         regions: One uint8 tensor per group rank, each mapping that rank's file.
         rank: This rank in the group.
-        half: Bytes of one half (a step's slots).
+        half: Bytes of one half (a step's slots), a multiple of :data:`ALIGN`.
+        scatter: Reduce-scatter the means (:meth:`exchange`); None: from
+            :data:`SCATTER_FROM` ranks on.
     """
 
-    def __init__(self, regions: Sequence[torch.Tensor], rank: int, half: int) -> None:
+    def __init__(self, regions: Sequence[torch.Tensor], rank: int, half: int,
+                 scatter: Optional[bool] = None) -> None:
+        if half % ALIGN:
+            # Every slot offset is aligned within a half; the halves must be too, or a
+            # slot of the second half cannot be viewed as a wider dtype.
+            raise ValueError(f"ShmLane: half={half} is not a multiple of {ALIGN} "
+                             "(size it with half_bytes())")
         self.regions = list(regions)
         self.rank = rank
         self.half = half
+        #: Reduce-scatter the means (see :meth:`exchange`); by world size by default.
+        self.scatter = len(self.regions) >= SCATTER_FROM if scatter is None else scatter
         self._step = 0
 
     def begin_step(self) -> None:
@@ -105,13 +152,39 @@ class ShmLane:
             b.flat = self.slot(self.rank, off, b.numel, b.key[1]) if mine else None
 
     def exchange(self, plan: Sequence[Any], arena: Any, group: Optional[Any]) -> None:
-        """After packing: one barrier, then every bucket's result into a private buffer
-        from ``arena`` (``flat`` then points at it)."""
-        start_max(torch.zeros(1, dtype=torch.int64), group, "barrier").wait()
-        for b in plan:
-            out = arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel)
-            self.combine(b.kind, b.owner, b.slot, out)
+        """After packing: a barrier, then every bucket's result into a private buffer
+        from ``arena`` (``flat`` then points at it).
+
+        Below :data:`SCATTER_FROM` ranks each rank sums every rank's whole slot of a
+        mean (:meth:`combine`). From it on a mean is reduce-scattered: each rank sums
+        its own slice of the mean over every rank into its buffer and publishes it in
+        its own slot (:meth:`reduce_slice`), a second barrier, and each copies the
+        others' sums of their slices (:meth:`gather_slices`). Per rank that reads about
+        twice a mean's bytes instead of ``world size`` times; every element is summed in
+        the same rank order either way, so the bits are the same.
+        """
+        _barrier(group)
+        outs = [arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel) for b in plan]
+        if not self.scatter:
+            for b, out in zip(plan, outs):
+                self.combine(b.kind, b.owner, b.slot, out)
+        else:
+            for b, out in zip(plan, outs):
+                if b.kind == "broadcast":
+                    self.combine(b.kind, b.owner, b.slot, out)
+                else:
+                    self.reduce_slice(b.slot, out)
+            if any(b.kind == "mean" for b in plan):
+                _barrier(group)  # every rank has published its slices
+                for b, out in zip(plan, outs):
+                    if b.kind == "mean":
+                        self.gather_slices(b.slot, out)
+        for b, out in zip(plan, outs):
             b.flat = out
+
+    def barriers(self, plan: Sequence[Any]) -> int:
+        """Collectives (barriers) :meth:`exchange` runs for ``plan``."""
+        return 2 if self.scatter and any(b.kind == "mean" for b in plan) else 1
 
     def combine(self, kind: str, owner: int, offset: int, out: torch.Tensor) -> None:
         """Write the bucket's result into ``out`` (after the step's barrier)."""
@@ -124,8 +197,47 @@ class ShmLane:
         for extra in slots[2:]:
             out.add_(extra)
 
+    def slices(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        """Each rank's ``[start, end)`` of a mean of ``numel`` elements: equal parts,
+        rounded up to whole :data:`ALIGN` blocks (no two ranks write one cache line)."""
+        block = max(1, ALIGN // itemsize)
+        ws = len(self.regions)
+        per = _ceil(_ceil(numel, ws), block) * block
+        return [(min(numel, r * per), min(numel, (r + 1) * per)) for r in range(ws)]
+
+    def _part(self, rank: int, offset: int, lo: int, hi: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        return self.slot(rank, offset + lo * dtype.itemsize, hi - lo, dtype)
+
+    def reduce_slice(self, offset: int, out: torch.Tensor) -> None:
+        """This rank's slice of a mean: the sum over every rank's slot, in rank order,
+        into ``out``'s slice and, for the others, over this rank's own slot's slice (no
+        other rank reads that part of it before the next barrier)."""
+        lo, hi = self.slices(out.numel(), out.itemsize)[self.rank]
+        if lo == hi:
+            return
+        dtype, mine = out.dtype, out[lo:hi]
+        parts = [self._part(r, offset, lo, hi, dtype) for r in range(len(self.regions))]
+        torch.add(parts[0], parts[1], out=mine)
+        for extra in parts[2:]:
+            mine.add_(extra)
+        parts[self.rank].copy_(mine)
+
+    def gather_slices(self, offset: int, out: torch.Tensor) -> None:
+        """The other ranks' slices of a mean, as they published them (after the second
+        barrier)."""
+        for r, (lo, hi) in enumerate(self.slices(out.numel(), out.itemsize)):
+            if r != self.rank and lo < hi:
+                out[lo:hi].copy_(self._part(r, offset, lo, hi, out.dtype))
+
+
+def _barrier(group: Optional[Any]) -> None:
+    """Every rank of ``group`` got here (a gloo collective: also a full memory barrier)."""
+    start_max(torch.zeros(1, dtype=torch.int64), group, "barrier").wait()
+
 
 def _stamp(token: int, rank: int) -> torch.Tensor:
+    """The header a region starts with (:data:`STAMP_BYTES`): the peers check it."""
     return torch.tensor([token, rank, 0x48504353484D], dtype=torch.int64)
 
 
@@ -136,36 +248,137 @@ def _agree(want: bool, group: Optional[Any]) -> tuple[bool, int]:
     return refused == 0, token
 
 
-def _create(path: str, size: int) -> Optional[str]:
-    """Create and reserve ``path``; None, or why not."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError as e:
-        return f"cannot create {path}: {e.strerror}"
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        os.unlink(path)
-        return f"cannot reserve {size} bytes in {SHM_DIR}: {e.strerror}"
-    finally:
-        os.close(fd)
-    return None
+def job_label(environ: Mapping[str, str]) -> str:
+    """The job a region belongs to, for its name: the scheduler's job id (so that an
+    epilog can remove what a killed job left: ``rm -f /dev/shm/hpc-grads-$SLURM_JOB_ID-*``),
+    else the launcher's run id, else ``0``; reduced to letters, digits, dots and ``_``."""
+    for var in _JOB_VARIABLES:
+        value = environ.get(var)
+        if value:
+            return re.sub(r"[^A-Za-z0-9.]", "_", value)[:64]
+    return "0"
 
 
-def _map_all(paths: Sequence[str], size: int, token: int
-             ) -> tuple[list[torch.Tensor], Optional[str]]:
-    """Map every rank's file and check its stamp; (regions, None) or ([], why not)."""
-    regions = []
-    for r, path in enumerate(paths):
-        # from_file(shared=True) would create a missing file: look first.
+def region_name(job: str, token: int, rank: int, pid: int) -> str:
+    """``hpc-grads-<job>-<token>-<rank>-<pid>``: whose region this is, for the peers that
+    map it (by token and rank), an epilog (by job) and whoever finds it (by pid)."""
+    return f"{PREFIX}{job}-{token:014x}-{rank}-{pid}"
+
+
+def sweep(directory: str = SHM_DIR) -> list[str]:
+    """Remove the regions in ``directory`` whose owner is gone; returns their names.
+
+    An owner holds an exclusive ``flock`` on its region from before the region has a
+    name until it unlinks it, and the kernel drops the lock when the owner dies, however
+    it dies: a region nobody holds was left by a dead process. (Its pid would not tell:
+    pids are reused, and ranks in containers that share ``/dev/shm`` but not a pid
+    namespace, ``docker --ipc=host``, see other pids.) Regions of other users cannot be
+    opened or unlinked here and are skipped.
+    """
+    removed = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _NAME.match(entry):
+            continue
+        path = os.path.join(directory, entry)
         try:
-            found = os.stat(path).st_size
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # unlinked meanwhile, or not ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives
+        else:
+            try:
+                os.unlink(path)
+                removed.append(entry)
+            except OSError:
+                pass  # another sweep was first, or not ours to remove
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _create(path: str, size: int, stamp: torch.Tensor
+            ) -> tuple[Optional[int], Optional[torch.Tensor], Optional[str]]:
+    """Reserve, lock, map and stamp this rank's region, then give it the name ``path``.
+
+    Returns (the fd that holds the lock, the mapped region, None) or (None, None, why
+    not). Up to the last step the file has no name (``O_TMPFILE``): a death here, in
+    the ``posix_fallocate`` that may itself draw the OOM killer, leaves nothing behind.
+    """
+    directory, name = os.path.split(path)
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as e:
+        return None, None, f"cannot create a file in {directory}: {e.strerror}"
+    doing = "lock"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until unlinked: see sweep()
+        doing = f"reserve {size} bytes in {directory}"
+        os.posix_fallocate(fd, 0, size)
+        doing = f"map {path}"
+        region = _map_fd(fd, size)
+        region[:STAMP_BYTES].view(torch.int64).copy_(stamp)
+        doing = f"name {path}"
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # given a directory fd, os.link is linkat(AT_SYMLINK_FOLLOW)
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dirfd, follow_symlinks=True)
+        finally:
+            os.close(dirfd)
+    except (OSError, RuntimeError) as e:
+        os.close(fd)
+        return None, None, f"cannot {doing}: {getattr(e, 'strerror', None) or e}"
+    return fd, region, None
+
+
+def _map_fd(fd: int, size: int) -> torch.Tensor:
+    # from_file(shared=True) creates a missing path: map the open file, never a name.
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size,
+                           dtype=torch.uint8)
+
+
+def _map_all(directory: str, token: int, rank: int, ws: int, mine: torch.Tensor
+             ) -> tuple[list[torch.Tensor], Optional[str]]:
+    """Every rank's region, in rank order (this rank's is ``mine``), each checked by its
+    size and stamp: (regions, None), or ([], why not). A region that cannot be mapped
+    is an answer, not an exception: the peers wait in the next collective for it."""
+    size = mine.numel()
+    try:
+        names = {}
+        for entry in os.listdir(directory):
+            m = _NAME.match(entry)
+            if m and int(m["token"], 16) == token:
+                names[int(m["rank"])] = entry
+    except OSError as e:
+        return [], f"cannot list {directory}: {e.strerror}"
+    regions = []
+    for r in range(ws):
+        if r == rank:
+            regions.append(mine)
+            continue
+        pattern = os.path.join(directory, f"{PREFIX}*-{token:014x}-{r}-*")
+        if r not in names:
+            return [], f"rank {r}'s {pattern} is not visible here"
+        path = os.path.join(directory, names[r])
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
-            return [], f"rank {r}'s {path} is not visible here ({e.strerror})"
-        if found != size:
-            return [], f"rank {r}'s {path} has {found} bytes, not {size}"
-        region = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        if not torch.equal(region[:24].view(torch.int64), _stamp(token, r)):
+            return [], f"rank {r}'s {path} cannot be opened here ({e.strerror})"
+        try:
+            found = os.fstat(fd).st_size
+            if found != size:
+                return [], f"rank {r}'s {path} has {found} bytes, not {size}"
+            region = _map_fd(fd, size)
+        except (OSError, RuntimeError) as e:
+            return [], f"cannot map rank {r}'s {path}: {e}"
+        finally:
+            os.close(fd)
+        if not torch.equal(region[:STAMP_BYTES].view(torch.int64), _stamp(token, r)):
             return [], f"rank {r}'s {path} holds another stamp"
         regions.append(region)
     return regions, None
@@ -173,9 +386,14 @@ def _map_all(paths: Sequence[str], size: int, token: int
 
 def lane_wanted(option: Optional[bool], params: Sequence[torch.Tensor], match_ddp: bool,
                 group: Optional[Any]) -> Optional[bool]:
-    """Whether this rank wants a lane; None when it cannot apply on any rank (the same
-    answer everywhere: parameters not all on the CPU, a backend without CPU tensors,
-    ``match_ddp`` at world size 3+, whose ring order only gloo reproduces)."""
+    """Whether this rank wants a lane; None when the answer is the same on every rank
+    without asking (then :func:`open_lane` sends nothing): the caller's ``shm=False``
+    (options are the same on every rank, as the parameter list is), or a lane that cannot
+    apply (parameters not all on the CPU, a backend without CPU tensors, ``match_ddp``
+    at world size 3+, whose ring order only gloo reproduces). ``HPC_SYNC_SHM=0`` answers
+    False, not None: the environment may differ between ranks, so it is agreed on."""
+    if option is False:
+        return None
     cpu = torch.device("cpu")
     if not params or any(p.device != cpu for p in params):
         return None
@@ -189,8 +407,8 @@ def lane_wanted(option: Optional[bool], params: Sequence[torch.Tensor], match_dd
 def open_lane(half: int, group: Optional[Any], want: Optional[bool],
               required: bool = False) -> Optional[ShmLane]:
     """Collectively open a lane whose halves hold ``half`` bytes, or None (the same on
-    every rank). ``want`` from :func:`lane_wanted` (None: it cannot apply, nothing is
-    sent). ``required``: raise :class:`HPCError` instead of returning None."""
+    every rank). ``want`` from :func:`lane_wanted` (None: decided without asking,
+    nothing is sent). ``required``: raise :class:`HPCError` instead of returning None."""
     if want is None:
         lane, why = None, ("it applies to CPU parameters on a backend that moves CPU "
                            "tensors, without match_ddp at world size 3 or more")
@@ -213,20 +431,33 @@ def _open(half: int, group: Optional[Any], want: bool) -> tuple[Optional[ShmLane
     if not everyone:
         return None, "not requested on every rank"
     rank, ws = dist.get_rank(group), dist.get_world_size(group)
-    size = ALIGN + 2 * half
-    paths = [os.path.join(SHM_DIR, f"hpc-grads-{token:014x}-{r}") for r in range(ws)]
-    why = _create(paths[rank], size)
-    if why is None:
-        mine = torch.from_file(paths[rank], shared=True, size=size, dtype=torch.uint8)
-        mine[:24].view(torch.int64).copy_(_stamp(token, rank))
-        del mine
-    if not all_true(why is None, group):
-        if why is None:
-            os.unlink(paths[rank])
-        return None, why or "another rank could not create its region"
-    regions, why = _map_all(paths, size, token)
-    ok = all_true(why is None, group)  # every rank has mapped (or failed) by now
-    os.unlink(paths[rank])
-    if not ok:
-        return None, why or "another rank cannot see every region (other hosts?)"
-    return ShmLane(regions, rank, half), ""
+    _report_swept(sweep())
+    path = os.path.join(SHM_DIR, region_name(job_label(os.environ), token, rank,
+                                             os.getpid()))
+    fd, mine, why = _create(path, ALIGN + 2 * half, _stamp(token, rank))
+    try:
+        created = all_true(mine is not None, group)
+        if mine is None or not created:
+            return None, why or "another rank could not create its region"
+        regions, why = _map_all(SHM_DIR, token, rank, ws, mine)
+        if not all_true(why is None, group):  # every rank has mapped (or failed) by now
+            return None, why or "another rank cannot see every region (other hosts?)"
+        return ShmLane(regions, rank, half), ""
+    except BaseException:  # a peer died, and the collective raised: it left its region
+        _report_swept(sweep())
+        raise
+    finally:
+        # However the opening ends, this rank's name goes now; the mappings keep the
+        # memory for as long as they live.
+        if fd is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _report_swept(names: Sequence[str]) -> None:
+    if names:
+        logger.info("sync_gradients: removed %d shared-memory region(s) whose process "
+                    "died while opening its lane: %s", len(names), ", ".join(names))

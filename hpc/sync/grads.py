@@ -350,7 +350,8 @@ class GradSync:
                     view = self._layout.view(flat, off, i)
                     p.grad = view if view.device == p.device else view.to(p.device)
                     sent += 1
-            self.stats = self._layout.stats(plan, sent, shm=self._lane is not None)
+            barriers = None if self._lane is None else self._lane.barriers(plan)
+            self.stats = self._layout.stats(plan, sent, barriers)
         finally:
             self._arena.end_step()
 
@@ -393,6 +394,7 @@ def sync_gradients(module_or_params: ModuleOrParams, users: Optional[Users] = No
         cached[1].sync(users)
         return
     # Built for this call only: opening shared memory (three collectives, reserving
-    # twice the gradients' bytes) would cost more than it saves once.
+    # twice the gradients' bytes) would cost more than it saves once. shm=False sends
+    # nothing for the lane (no agreement round either).
     options["shm"] = False if shm is None else shm
     GradSync(module_or_params, **options).sync(users)
