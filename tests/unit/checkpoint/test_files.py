@@ -52,6 +52,26 @@ def test_failed_save_keeps_the_old_file_and_no_temp(tmp_path: Path) -> None:
                                                           "ckpt-00000003.pt.sha256"]
 
 
+def test_save_refuses_what_weights_only_cannot_load_and_writes_nothing(
+        tmp_path: Path) -> None:
+    """The file layer itself checks (hpc pretrain and hpc search save through it)."""
+    write(tmp_path, 1)
+    bad = {"step": 2, "records": [{"val_acc": np.float32(0.5)}]}
+    with pytest.raises(CheckpointError, match=r"(?s)\['records'\]\[0\]\['val_acc'\] is a "
+                       r"numpy.float32.*HINT: .*float\(x\)"):
+        save_atomic(bad, checkpoint_path(tmp_path, 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt",
+                                                          "ckpt-00000001.pt.sha256"]
+
+
+def test_save_refuses_a_plain_int_weights_only_cannot_read(tmp_path: Path) -> None:
+    """The rule is the loader's own, not a list of types: an int of more than 255
+    bytes pickles with an opcode the weights_only unpickler does not know."""
+    with pytest.raises(CheckpointError, match="weights_only"):
+        save_atomic({"step": 1, "seed": 2 ** 3000}, checkpoint_path(tmp_path, 1))
+    assert not list(tmp_path.iterdir())
+
+
 def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     write(tmp_path, 1, 2, 10, 3)
     removed = prune(tmp_path, 2)

@@ -4,6 +4,7 @@ tests/integration/test_docs_examples.py and test_preemption.py)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import random
 from pathlib import Path
@@ -155,6 +156,40 @@ def test_restore_positions_the_sampler(tmp_path: Path) -> None:
 def test_save_refuses_reserved_extra_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="reserved"):
         hpc.save_checkpoint(tmp_path, 1, **objects(), extra={"model": 1})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value, kind, hint", [
+    (np.mean([0.9, 0.95]), "numpy.float64", "float(x)"),
+    (Path("/data/run"), "pathlib.PosixPath", "str(path)"),
+    (argparse.Namespace(lr=0.1), "argparse.Namespace", "vars(ns)"),
+], ids=["numpy-scalar", "path", "namespace"])
+def test_save_refuses_extra_that_no_resume_could_load(tmp_path: Path, value: object,
+                                                      kind: str, hint: str) -> None:
+    """Such a file saves fine but weights_only=True refuses it at every resume; with
+    keep=1 the prune then removes the last checkpoint that did load."""
+    a = objects()
+    hpc.save_checkpoint(tmp_path, 1, **a, keep=1)
+    with pytest.raises(CheckpointError) as err:
+        hpc.save_checkpoint(tmp_path, 2, **a, keep=1, extra={"best_acc": value})
+    text = str(err.value)
+    assert f"['best_acc'] is a {kind}" in text and "weights_only" in text
+    assert "HINT:" in text and hint in text.split("HINT:")[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000001.pt", "ckpt-00000001.pt.sha256"]  # not written, nothing pruned
+    restored = hpc.restore_checkpoint(tmp_path, **objects())
+    assert restored is not None and restored.step == 1
+
+
+def test_save_names_the_refused_value_inside_the_optimizer_state(tmp_path: Path) -> None:
+    """An lr taken from numpy (np.linspace, a config read with np.float64) ends up in
+    the optimizer's param_groups: the package's own state is checked too."""
+    a = objects()
+    a["optimizer"] = torch.optim.SGD(a["model"].parameters(), lr=np.float64(0.1))
+    a["scheduler"] = torch.optim.lr_scheduler.StepLR(a["optimizer"], 3)
+    with pytest.raises(CheckpointError,
+                       match=r"\['optimizer'\]\['param_groups'\]\[0\]\['lr'\] is a numpy.float64"):
+        hpc.save_checkpoint(tmp_path, 1, **a)
     assert not list(tmp_path.iterdir())
 
 
