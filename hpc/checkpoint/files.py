@@ -10,9 +10,12 @@ renames it over the final name and fsyncs the directory, so a crash leaves eithe
 old set of files or the new one, never a half-written ``.pt``.
 
 Loading uses ``torch.load(weights_only=True)``: checkpoints hold tensors and plain
-Python values only (RNG states included, see :func:`capture_rng`). A newest checkpoint
-that is truncated, corrupt or fails its checksum is skipped with a warning and the
-previous one is used.
+Python values only (RNG states included, see :func:`capture_rng`). A save therefore loads
+its temporary file back by that same rule before the rename (memory-mapped: the
+unpickling is checked, the tensor bytes are not read; :mod:`hpc.checkpoint.loadable`),
+and refuses a payload the loader would refuse, naming the value (a numpy scalar, a
+``Path``, a ``Namespace``): such a file would be skipped by every resume. A newest checkpoint that is truncated, corrupt or
+fails its checksum is skipped with a warning and the previous one is used.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import random
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 
+from hpc.checkpoint.loadable import check_loads, unpickler_reason
 from hpc.errors import CheckpointError
 
 __all__ = ["save_atomic", "list_checkpoints", "prune", "load_checkpoint", "load_latest",
@@ -64,13 +69,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Any) -> None:
+def _write_atomic(path: Path, write: Any,
+                  check: Optional[Callable[[Path], None]] = None) -> None:
+    """Write through a temporary file; ``check(tmp)`` may refuse it before the rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            check(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -81,12 +90,20 @@ def _write_atomic(path: Path, write: Any) -> None:
 def save_atomic(obj: Any, path: PathLike) -> Path:
     """``torch.save(obj)`` to ``path`` atomically, then its ``.sha256`` sidecar.
 
-    The sidecar is written after the checkpoint is in place; a checkpoint without one
-    (a crash in between) is still loadable, it is just not checksum-verified.
+    Before the rename the temporary file is loaded back with
+    ``torch.load(weights_only=True, mmap=True)``, the rule every resume applies; a
+    refused payload is never put in place. The sidecar is written after the checkpoint
+    is in place; a checkpoint without one (a crash in between) is still loadable, it is
+    just not checksum-verified.
+
+    Raises:
+        CheckpointError: ``weights_only=True`` would refuse the file (the message names
+            the value, e.g. ``['best_acc'] is a numpy.float64``); nothing is written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, lambda f: torch.save(obj, f))
+    _write_atomic(path, lambda f: torch.save(obj, f),
+                  lambda tmp: check_loads(tmp, obj, path.name))
     line = f"{sha256_file(path)}  {path.name}\n".encode()
     _write_atomic(path.with_name(path.name + ".sha256"), lambda f: f.write(line))
     return path
@@ -134,8 +151,9 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as e:  # zip/pickle/OS errors: all mean "unusable"
+        reason = unpickler_reason(e) if isinstance(e, pickle.UnpicklingError) else e
         raise CheckpointError(
-            f"cannot load checkpoint {path}: {type(e).__name__}: {e}.\n"
+            f"cannot load checkpoint {path}: {type(e).__name__}: {reason}.\n"
             "It is truncated, corrupt, or holds objects weights_only=True refuses.\n"
             "HINT: delete it to resume from the previous checkpoint.") from e
     if not isinstance(payload, dict) or "step" not in payload:
