@@ -15,7 +15,8 @@ its temporary file back by that same rule before the rename (memory-mapped: the
 unpickling is checked, the tensor bytes are not read; :mod:`hpc.checkpoint.loadable`),
 and refuses a payload the loader would refuse, naming the value (a numpy scalar, a
 ``Path``, a ``Namespace``): such a file would be skipped by every resume. A newest checkpoint that is truncated, corrupt or
-fails its checksum is skipped with a warning and the previous one is used.
+fails its checksum is skipped with a warning and the previous one is used; a run resuming from its own directory also sets the skipped
+files aside (``ckpt-<step>.pt.unloadable``) so keep-N never counts them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ from hpc.checkpoint.loadable import check_loads, unpickler_reason
 from hpc.errors import CheckpointError
 
 __all__ = ["save_atomic", "list_checkpoints", "prune", "load_checkpoint", "load_latest",
-           "checkpoint_path", "capture_rng", "restore_rng", "sha256_file"]
+           "set_aside", "checkpoint_path", "capture_rng", "restore_rng", "sha256_file",
+           "UNLOADABLE"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
+#: Suffix of a checkpoint a resume skipped (:func:`set_aside`).
+UNLOADABLE = ".unloadable"
 PathLike = Union[str, Path]
 
 
@@ -164,25 +168,63 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
     return payload
 
 
-def load_latest(directory: PathLike) -> Optional[tuple[Path, dict[str, Any]]]:
+def set_aside(path: PathLike) -> Optional[Path]:
+    """Rename a checkpoint that does not load (and its sidecar) to ``<name>.unloadable``.
+
+    No listing matches the new name, so the next save's keep-N no longer counts it as
+    one of the newest (it would push out the older file the run resumed from) and the
+    next resume does not try it again; the bytes stay for a look. Returns the new path,
+    or ``None`` (with a warning) when the rename failed.
+    """
+    path = Path(path)
+    target = path.with_name(path.name + UNLOADABLE)
+    sidecar = path.with_name(path.name + ".sha256")
+    try:
+        os.replace(path, target)
+        if sidecar.is_file():
+            os.replace(sidecar, sidecar.with_name(sidecar.name + UNLOADABLE))
+    except OSError as e:
+        logger.warning("could not set aside %s (%s): keep-N counts it as a checkpoint "
+                       "until it is deleted", path, e)
+        return None
+    _fsync_dir(path.parent)
+    logger.warning("set aside as %s (it does not load; rename it back to try it again)",
+                   target.name)
+    return target
+
+
+def load_latest(directory: PathLike, *, set_aside_skipped: bool = False
+                ) -> Optional[tuple[Path, dict[str, Any]]]:
     """The newest loadable checkpoint in ``directory`` (``None`` when there is none).
 
     Unusable newer checkpoints are skipped with a warning naming the file and the error.
+
+    Args:
+        directory: The checkpoint directory.
+        set_aside_skipped: Also :func:`set_aside` the skipped files once an older one
+            loaded: what a run resuming from its *own* directory passes, before it
+            saves there again. A reader of another run's directory leaves it alone,
+            and when none loads nothing is renamed (the next attempt must not become
+            a silent fresh start).
 
     Raises:
         CheckpointError: checkpoints exist but none of them loads.
     """
     candidates = list_checkpoints(directory)
-    errors = []
+    errors, skipped = [], []
     for path in reversed(candidates):
         try:
             payload = load_checkpoint(path)
         except CheckpointError as e:
             first = str(e).splitlines()[0]
             errors.append(first)
+            skipped.append(path)
             logger.warning("skipping checkpoint %s: %s; falling back to the previous one",
                            path.name, first)
             continue
+        if set_aside_skipped:
+            for bad in skipped:
+                set_aside(bad)
         return path, payload
     if errors:
         raise CheckpointError(

@@ -12,7 +12,8 @@ master (the launching guide's rule)::
 CUDA) on the master, which writes ``ckpt-<step>.pt`` atomically (temporary file, fsync,
 rename, a ``.sha256`` sidecar; :mod:`hpc.checkpoint.files`) and keeps the newest
 ``keep``. :func:`restore_checkpoint` lets the master choose the newest file that loads
-(a truncated or corrupt newer one is skipped with a warning), broadcasts its path, and
+(a truncated or corrupt newer one is skipped with a warning and renamed
+``ckpt-<step>.pt.unloadable``, out of keep-N's count), broadcasts its path, and
 every rank loads it with ``torch.load(weights_only=True)`` into the model, optimizer,
 scheduler and sampler and restores its own RNG states. A checkpoint written by another
 number of ranks is refused unless ``allow_world_change=True``: the sampler's partition
@@ -276,7 +277,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
 
     def choose() -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
         try:
-            found = load_latest(directory)
+            found = load_latest(directory, set_aside_skipped=True)  # we save here next
         except CheckpointError as e:
             return None, str(e), None
         return (str(found[0]), None, found[1]) if found else (None, None, None)

@@ -85,8 +85,9 @@ def test_corrupt_or_truncated_newest_falls_back_to_the_previous(
     assert restored is not None and restored.step == 1
     assert "skipping checkpoint ckpt-00000003.pt" in caplog.text
     assert "skipping checkpoint ckpt-00000002.pt" in caplog.text and "SHA-256" in caplog.text
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000001.pt"]  # set aside
     (tmp_path / "ckpt-00000001.pt").write_bytes(b"junk")
-    with pytest.raises(CheckpointError, match="none of the 3 checkpoints"):
+    with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
         hpc.restore_checkpoint(tmp_path, **objects())
 
 
