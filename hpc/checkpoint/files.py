@@ -7,7 +7,8 @@ Files are ``ckpt-<step:08d>.pt`` in a checkpoint directory, each with a
 ``ckpt-<step:08d>.pt.sha256`` sidecar in ``sha256sum`` format (``sha256sum -c`` checks
 it). A save writes a temporary file in the same directory, flushes and fsyncs it,
 renames it over the final name and fsyncs the directory, so a crash leaves either the
-old set of files or the new one, never a half-written ``.pt``.
+old set of files or the new one, never a half-written ``.pt``. A writer killed mid-write
+(SIGKILL) leaves its hidden temporary file; the next save removes it.
 
 Loading uses ``torch.load(weights_only=True)``: checkpoints hold tensors and plain
 Python values only (RNG states included, see :func:`capture_rng`). A save therefore loads
@@ -27,6 +28,8 @@ import os
 import pickle
 import random
 import re
+import socket
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -37,14 +40,18 @@ from hpc.checkpoint.loadable import check_loads, unpickler_reason
 from hpc.errors import CheckpointError
 
 __all__ = ["save_atomic", "list_checkpoints", "prune", "load_checkpoint", "load_latest",
-           "set_aside", "checkpoint_path", "capture_rng", "restore_rng", "sha256_file",
-           "UNLOADABLE"]
+           "set_aside", "remove_stale_temps", "checkpoint_path", "capture_rng",
+           "restore_rng", "sha256_file", "UNLOADABLE", "STALE_TMP_S"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 #: Suffix of a checkpoint a resume skipped (:func:`set_aside`).
 UNLOADABLE = ".unloadable"
+#: ``.<name>.tmp-<host>-<pid>`` (``.<name>.tmp-<pid>`` before the host was added).
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+#: A temporary file untouched this long is stale even when its owner cannot be asked.
+STALE_TMP_S = 300.0
 PathLike = Union[str, Path]
 
 
@@ -73,10 +80,69 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _is_stale(match: re.Match[str], path: Path, now: float) -> bool:
+    host, pid = match.group("host"), int(match.group("pid"))
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return False  # ours: a save of this process may be writing it
+        if not _alive(pid):
+            return True
+    try:
+        return now - path.stat().st_mtime > STALE_TMP_S
+    except FileNotFoundError:  # its writer renamed or removed it meanwhile
+        return False
+
+
+def remove_stale_temps(directory: PathLike, also: tuple[str, ...] = ()) -> list[Path]:
+    """Delete temporary files of checkpoints whose writer died mid-write; return them.
+
+    A SIGKILL (the end of a preemption's grace time) runs no clean-up and leaves
+    ``.ckpt-<step>.pt.tmp-<host>-<pid>`` at the size written so far. Stale: written on
+    this host by a process that is gone, or not modified for :data:`STALE_TMP_S`
+    (a writer on another node cannot be asked; a live writer keeps its file fresh).
+    Only temporary files of checkpoints and their sidecars, and of the names in
+    ``also``, are considered: other files in the directory are never touched.
+    """
+    directory = Path(directory)
+    ours = {*also, *(n + ".sha256" for n in also)}
+    removed, now = [], time.time()
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    for path in entries:
+        m = _TMP.match(path.name)
+        if not m:
+            continue
+        name = m.group("name")
+        if not (name in ours or _NAME.match(name.removesuffix(".sha256"))):
+            continue
+        if _is_stale(m, path, now):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(path)
+            logger.info("removed %s (%.0f MiB), left by pid %s on %s killed mid-write",
+                        path.name, size / 2**20, m.group("pid"), m.group("host") or "?")
+    return removed
+
+
 def _write_atomic(path: Path, write: Any,
                   check: Optional[Callable[[Path], None]] = None) -> None:
     """Write through a temporary file; ``check(tmp)`` may refuse it before the rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -94,7 +160,8 @@ def _write_atomic(path: Path, write: Any,
 def save_atomic(obj: Any, path: PathLike) -> Path:
     """``torch.save(obj)`` to ``path`` atomically, then its ``.sha256`` sidecar.
 
-    Before the rename the temporary file is loaded back with
+    Temporary files a killed writer left (:func:`remove_stale_temps`) are removed
+    first. Before the rename the temporary file is loaded back with
     ``torch.load(weights_only=True, mmap=True)``, the rule every resume applies; a
     refused payload is never put in place. The sidecar is written after the checkpoint
     is in place; a checkpoint without one (a crash in between) is still loadable, it is
@@ -106,6 +173,7 @@ def save_atomic(obj: Any, path: PathLike) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent, also=(path.name,))  # first: frees their space
     _write_atomic(path, lambda f: torch.save(obj, f),
                   lambda tmp: check_loads(tmp, obj, path.name))
     line = f"{sha256_file(path)}  {path.name}\n".encode()
