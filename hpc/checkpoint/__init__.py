@@ -4,6 +4,9 @@
   (all ranks call, the global master writes; another world size is refused);
 * :mod:`hpc.checkpoint.files` — the files: atomic write with a ``.sha256`` sidecar,
   keep-last-K, verified ``weights_only`` load with fallback, RNG states (no collectives);
+* :mod:`hpc.checkpoint.loadable` — what a checkpoint may hold: the ``weights_only``
+  loader's rule, applied to every save before the rename, and the message naming a
+  refused value;
 * :mod:`hpc.checkpoint.sampler` — :class:`ResumableSampler`, a mid-epoch resumable
   ``DistributedSampler``.
 

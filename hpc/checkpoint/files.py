@@ -7,12 +7,17 @@ Files are ``ckpt-<step:08d>.pt`` in a checkpoint directory, each with a
 ``ckpt-<step:08d>.pt.sha256`` sidecar in ``sha256sum`` format (``sha256sum -c`` checks
 it). A save writes a temporary file in the same directory, flushes and fsyncs it,
 renames it over the final name and fsyncs the directory, so a crash leaves either the
-old set of files or the new one, never a half-written ``.pt``.
+old set of files or the new one, never a half-written ``.pt``. A writer killed mid-write
+(SIGKILL) leaves its hidden temporary file; the next save removes it.
 
 Loading uses ``torch.load(weights_only=True)``: checkpoints hold tensors and plain
-Python values only (RNG states included, see :func:`capture_rng`). A newest checkpoint
-that is truncated, corrupt or fails its checksum is skipped with a warning and the
-previous one is used.
+Python values only (RNG states included, see :func:`capture_rng`). A save therefore loads
+its temporary file back by that same rule before the rename (memory-mapped: the
+unpickling is checked, the tensor bytes are not read; :mod:`hpc.checkpoint.loadable`),
+and refuses a payload the loader would refuse, naming the value (a numpy scalar, a
+``Path``, a ``Namespace``): such a file would be skipped by every resume. A newest checkpoint that is truncated, corrupt or
+fails its checksum is skipped with a warning and the previous one is used; a run resuming from its own directory also sets the skipped
+files aside (``ckpt-<step>.pt.unloadable``) so keep-N never counts them.
 """
 
 from __future__ import annotations
@@ -20,22 +25,33 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import random
 import re
+import socket
+import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 
+from hpc.checkpoint.loadable import check_loads, unpickler_reason
 from hpc.errors import CheckpointError
 
 __all__ = ["save_atomic", "list_checkpoints", "prune", "load_checkpoint", "load_latest",
-           "checkpoint_path", "capture_rng", "restore_rng", "sha256_file"]
+           "set_aside", "remove_stale_temps", "checkpoint_path", "capture_rng",
+           "restore_rng", "sha256_file", "UNLOADABLE", "STALE_TMP_S"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
+#: Suffix of a checkpoint a resume skipped (:func:`set_aside`).
+UNLOADABLE = ".unloadable"
+#: ``.<name>.tmp-<host>-<pid>`` (``.<name>.tmp-<pid>`` before the host was added).
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+#: A temporary file untouched this long is stale even when its owner cannot be asked.
+STALE_TMP_S = 300.0
 PathLike = Union[str, Path]
 
 
@@ -64,13 +80,76 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _is_stale(match: re.Match[str], path: Path, now: float) -> bool:
+    host, pid = match.group("host"), int(match.group("pid"))
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return False  # ours: a save of this process may be writing it
+        if not _alive(pid):
+            return True
+    try:
+        return now - path.stat().st_mtime > STALE_TMP_S
+    except FileNotFoundError:  # its writer renamed or removed it meanwhile
+        return False
+
+
+def remove_stale_temps(directory: PathLike, also: tuple[str, ...] = ()) -> list[Path]:
+    """Delete temporary files of checkpoints whose writer died mid-write; return them.
+
+    A SIGKILL (the end of a preemption's grace time) runs no clean-up and leaves
+    ``.ckpt-<step>.pt.tmp-<host>-<pid>`` at the size written so far. Stale: written on
+    this host by a process that is gone, or not modified for :data:`STALE_TMP_S`
+    (a writer on another node cannot be asked; a live writer keeps its file fresh).
+    Only temporary files of checkpoints and their sidecars, and of the names in
+    ``also``, are considered: other files in the directory are never touched.
+    """
+    directory = Path(directory)
+    ours = {*also, *(n + ".sha256" for n in also)}
+    removed, now = [], time.time()
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    for path in entries:
+        m = _TMP.match(path.name)
+        if not m:
+            continue
+        name = m.group("name")
+        if not (name in ours or _NAME.match(name.removesuffix(".sha256"))):
+            continue
+        if _is_stale(m, path, now):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(path)
+            logger.info("removed %s (%.0f MiB), left by pid %s on %s killed mid-write",
+                        path.name, size / 2**20, m.group("pid"), m.group("host") or "?")
+    return removed
+
+
+def _write_atomic(path: Path, write: Any,
+                  check: Optional[Callable[[Path], None]] = None) -> None:
+    """Write through a temporary file; ``check(tmp)`` may refuse it before the rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            check(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -81,12 +160,22 @@ def _write_atomic(path: Path, write: Any) -> None:
 def save_atomic(obj: Any, path: PathLike) -> Path:
     """``torch.save(obj)`` to ``path`` atomically, then its ``.sha256`` sidecar.
 
-    The sidecar is written after the checkpoint is in place; a checkpoint without one
-    (a crash in between) is still loadable, it is just not checksum-verified.
+    Temporary files a killed writer left (:func:`remove_stale_temps`) are removed
+    first. Before the rename the temporary file is loaded back with
+    ``torch.load(weights_only=True, mmap=True)``, the rule every resume applies; a
+    refused payload is never put in place. The sidecar is written after the checkpoint
+    is in place; a checkpoint without one (a crash in between) is still loadable, it is
+    just not checksum-verified.
+
+    Raises:
+        CheckpointError: ``weights_only=True`` would refuse the file (the message names
+            the value, e.g. ``['best_acc'] is a numpy.float64``); nothing is written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, lambda f: torch.save(obj, f))
+    remove_stale_temps(path.parent, also=(path.name,))  # first: frees their space
+    _write_atomic(path, lambda f: torch.save(obj, f),
+                  lambda tmp: check_loads(tmp, obj, path.name))
     line = f"{sha256_file(path)}  {path.name}\n".encode()
     _write_atomic(path.with_name(path.name + ".sha256"), lambda f: f.write(line))
     return path
@@ -134,8 +223,9 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as e:  # zip/pickle/OS errors: all mean "unusable"
+        reason = unpickler_reason(e) if isinstance(e, pickle.UnpicklingError) else e
         raise CheckpointError(
-            f"cannot load checkpoint {path}: {type(e).__name__}: {e}.\n"
+            f"cannot load checkpoint {path}: {type(e).__name__}: {reason}.\n"
             "It is truncated, corrupt, or holds objects weights_only=True refuses.\n"
             "HINT: delete it to resume from the previous checkpoint.") from e
     if not isinstance(payload, dict) or "step" not in payload:
@@ -146,25 +236,63 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
     return payload
 
 
-def load_latest(directory: PathLike) -> Optional[tuple[Path, dict[str, Any]]]:
+def set_aside(path: PathLike) -> Optional[Path]:
+    """Rename a checkpoint that does not load (and its sidecar) to ``<name>.unloadable``.
+
+    No listing matches the new name, so the next save's keep-N no longer counts it as
+    one of the newest (it would push out the older file the run resumed from) and the
+    next resume does not try it again; the bytes stay for a look. Returns the new path,
+    or ``None`` (with a warning) when the rename failed.
+    """
+    path = Path(path)
+    target = path.with_name(path.name + UNLOADABLE)
+    sidecar = path.with_name(path.name + ".sha256")
+    try:
+        os.replace(path, target)
+        if sidecar.is_file():
+            os.replace(sidecar, sidecar.with_name(sidecar.name + UNLOADABLE))
+    except OSError as e:
+        logger.warning("could not set aside %s (%s): keep-N counts it as a checkpoint "
+                       "until it is deleted", path, e)
+        return None
+    _fsync_dir(path.parent)
+    logger.warning("set aside as %s (it does not load; rename it back to try it again)",
+                   target.name)
+    return target
+
+
+def load_latest(directory: PathLike, *, set_aside_skipped: bool = False
+                ) -> Optional[tuple[Path, dict[str, Any]]]:
     """The newest loadable checkpoint in ``directory`` (``None`` when there is none).
 
     Unusable newer checkpoints are skipped with a warning naming the file and the error.
+
+    Args:
+        directory: The checkpoint directory.
+        set_aside_skipped: Also :func:`set_aside` the skipped files once an older one
+            loaded: what a run resuming from its *own* directory passes, before it
+            saves there again. A reader of another run's directory leaves it alone,
+            and when none loads nothing is renamed (the next attempt must not become
+            a silent fresh start).
 
     Raises:
         CheckpointError: checkpoints exist but none of them loads.
     """
     candidates = list_checkpoints(directory)
-    errors = []
+    errors, skipped = [], []
     for path in reversed(candidates):
         try:
             payload = load_checkpoint(path)
         except CheckpointError as e:
             first = str(e).splitlines()[0]
             errors.append(first)
+            skipped.append(path)
             logger.warning("skipping checkpoint %s: %s; falling back to the previous one",
                            path.name, first)
             continue
+        if set_aside_skipped:
+            for bad in skipped:
+                set_aside(bad)
         return path, payload
     if errors:
         raise CheckpointError(

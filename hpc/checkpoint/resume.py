@@ -12,7 +12,8 @@ master (the launching guide's rule)::
 CUDA) on the master, which writes ``ckpt-<step>.pt`` atomically (temporary file, fsync,
 rename, a ``.sha256`` sidecar; :mod:`hpc.checkpoint.files`) and keeps the newest
 ``keep``. :func:`restore_checkpoint` lets the master choose the newest file that loads
-(a truncated or corrupt newer one is skipped with a warning), broadcasts its path, and
+(a truncated or corrupt newer one is skipped with a warning and renamed
+``ckpt-<step>.pt.unloadable``, out of keep-N's count), broadcasts its path, and
 every rank loads it with ``torch.load(weights_only=True)`` into the model, optimizer,
 scheduler and sampler and restores its own RNG states. A checkpoint written by another
 number of ranks is refused unless ``allow_world_change=True``: the sampler's partition
@@ -98,11 +99,19 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
         epoch: The epoch of the *next* step.
         batch: Batches of ``epoch`` already done (0 at an epoch boundary).
         keep: Checkpoints kept (0: all).
-        extra: More plain values (tensors, numbers, strings, lists, dicts) stored at the
-            top level of the file, e.g. ``{"best_acc": 0.97}``.
+        extra: More values stored at the top level of the file, e.g.
+            ``{"best_acc": 0.97}``: what ``torch.load(weights_only=True)`` loads, i.e.
+            tensors, ``None``/bool/int/float/complex/str/bytes, list/tuple/dict/set,
+            ``torch.dtype``/``device``/``Size`` and classes registered with
+            ``torch.serialization.add_safe_globals``. Not numpy scalars or arrays,
+            ``Path``, ``argparse.Namespace`` or other classes: store ``float(x)``,
+            ``str(path)``, ``vars(ns)``.
 
     Raises:
-        CheckpointError: on every rank, when the master could not write the file.
+        CheckpointError: on every rank, when the master could not write the file, or
+            when ``weights_only=True`` would refuse it (a value in ``extra``, or in a
+            state dict, of a type it does not load; the message names it). Then
+            nothing is written and no older checkpoint is deleted.
         ValueError: ``extra`` uses a reserved key, or ``keep`` is negative.
     """
     clash = sorted(set(extra or ()) & set(RESERVED))
@@ -125,18 +134,20 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
         if sampler is not None:
             payload["sampler"] = _sampler_state(sampler)
         try:
-            save_atomic(payload, path)
+            save_atomic(payload, path)  # loads it back by the resume's rule first
             removed = prune(path.parent, keep)
             logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
+        except CheckpointError as e:  # a value weights_only=True refuses, named
+            error = str(e)
         except Exception as e:  # disk full, permissions, unpicklable extra
-            error = f"{type(e).__name__}: {e}"
+            error = (
+                f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}.\n"
+                "The run continues from the previous checkpoint if it is restarted.\n"
+                "HINT: check free space and permissions of the directory, and that "
+                "extra= holds only tensors and plain Python values.")
     error = broadcast_object(error)
     if error is not None:
-        raise CheckpointError(
-            f"rank 0 could not write checkpoint {path}: {error}.\n"
-            "The run continues from the previous checkpoint if it is restarted.\n"
-            "HINT: check free space and permissions of the directory, and that extra= "
-            "holds only tensors and plain Python values.")
+        raise CheckpointError(error)
     return path
 
 
@@ -266,7 +277,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
 
     def choose() -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
         try:
-            found = load_latest(directory)
+            found = load_latest(directory, set_aside_skipped=True)  # we save here next
         except CheckpointError as e:
             return None, str(e), None
         return (str(found[0]), None, found[1]) if found else (None, None, None)

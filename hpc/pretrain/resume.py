@@ -7,7 +7,8 @@ validation accuracies, and every rank's RNG states (python, numpy, torch CPU, CU
 gathered on the master. The architecture draws need no state: they are re-derived from
 ``(seed, rank, step)``, and the data order from ``(seed, epoch)``.
 
-The master chooses the checkpoint (skipping corrupt ones with a warning) and broadcasts
+The master chooses the checkpoint (skipping corrupt ones with a warning, and in the run's
+own directory setting them aside so keep-N does not count them) and broadcasts
 its path; every rank then loads that file, so the run directory must be on a filesystem
 every node sees (as it is for any Slurm job writing to ``$HOME`` or a project space).
 
@@ -98,8 +99,9 @@ def _choose(cfg: PretrainConfig, run_dir: Optional[Path]
     if target is None or (cfg.resume == "auto" and not target.is_dir()):
         return None, None, None
     try:
-        if target.is_dir():
-            found = load_latest(target)
+        if target.is_dir():  # set aside only in the run's own directory: it saves there
+            own = ckpt_dir is not None and target.resolve() == ckpt_dir.resolve()
+            found = load_latest(target, set_aside_skipped=own)
             if found is None:
                 if cfg.resume != "auto":
                     return None, f"no checkpoint in {target}.\nHINT: check --resume.", None

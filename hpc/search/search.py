@@ -232,7 +232,7 @@ def _exactness(cfg: SearchConfig) -> dict[str, Any]:
 def _resume_payload(cfg: SearchConfig) -> Optional[dict[str, Any]]:
     """On the master: the state to resume from (None = start), or raise."""
     directory = cfg.out_dir / "checkpoints"
-    found = load_latest(directory)
+    found = load_latest(directory, set_aside_skipped=True)  # our own: prune(2) follows
     if found is None:
         return None
     path, payload = found

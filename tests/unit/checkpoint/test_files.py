@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +30,7 @@ from hpc.checkpoint.files import (  # noqa: E402
 )
 from hpc.errors import CheckpointError  # noqa: E402
 from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 
 
 def payload(step: int) -> dict:
@@ -50,6 +58,98 @@ def test_failed_save_keeps_the_old_file_and_no_temp(tmp_path: Path) -> None:
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000003.pt",
                                                           "ckpt-00000003.pt.sha256"]
+
+
+def test_save_refuses_what_weights_only_cannot_load_and_writes_nothing(
+        tmp_path: Path) -> None:
+    """The file layer itself checks (hpc pretrain and hpc search save through it)."""
+    write(tmp_path, 1)
+    bad = {"step": 2, "records": [{"val_acc": np.float32(0.5)}]}
+    with pytest.raises(CheckpointError, match=r"(?s)\['records'\]\[0\]\['val_acc'\] is a "
+                       r"numpy.float32.*HINT: .*float\(x\)"):
+        save_atomic(bad, checkpoint_path(tmp_path, 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt",
+                                                          "ckpt-00000001.pt.sha256"]
+
+
+def test_save_refuses_a_plain_int_weights_only_cannot_read(tmp_path: Path) -> None:
+    """The rule is the loader's own, not a list of types: an int of more than 255
+    bytes pickles with an opcode the weights_only unpickler does not know."""
+    with pytest.raises(CheckpointError, match="weights_only"):
+        save_atomic({"step": 1, "seed": 2 ** 3000}, checkpoint_path(tmp_path, 1))
+    assert not list(tmp_path.iterdir())
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+# the real save_atomic writing a real 8 MiB checkpoint through a torch.save that stalls
+# half-way, so the SIGKILL lands mid-write every time
+SLOW_WRITER = """
+import io, sys, time, torch
+from hpc.checkpoint.files import checkpoint_path, save_atomic
+real_save = torch.save
+def half_then_stall(obj, f):
+    buf = io.BytesIO()
+    real_save(obj, buf)
+    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+torch.save = half_then_stall
+save_atomic({"step": 2, "w": torch.zeros(1 << 21)}, checkpoint_path(sys.argv[1], 2))
+"""
+
+
+def test_a_sigkill_mid_write_leaves_a_temp_file_the_next_save_removes(
+        tmp_path: Path) -> None:
+    """The end of a preemption's grace time: SIGKILL, no handler runs, the temporary
+    file stays at the size written so far."""
+    write(tmp_path, 1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    child = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        assert ready and child.stdout.readline().strip() == "writing"
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+        child.stdout.close()
+    (left,) = tmp_path.glob(".ckpt-00000002.pt.tmp-*")
+    assert left.stat().st_size >= 4 << 20  # half of the 8 MiB tensor, at least
+    write(tmp_path, 3)
+    assert names(tmp_path) == ["ckpt-00000001.pt", "ckpt-00000001.pt.sha256",
+                               "ckpt-00000003.pt", "ckpt-00000003.pt.sha256"]
+
+
+def test_stale_temp_files_go_and_live_ones_stay(tmp_path: Path) -> None:
+    """Owner gone on this host, or older than a few minutes (a writer on another node
+    cannot be asked); a live writer's fresh file and files not ours stay."""
+    host, live = socket.gethostname(), os.getppid()
+    old = time.time() - 3600
+    files = {
+        f".ckpt-00000003.pt.tmp-othernode-{live}": old,  # another node, old: gone
+        f".ckpt-00000004.pt.tmp-othernode-{live}": None,  # another node, fresh: stays
+        ".ckpt-00000005.pt.sha256.tmp-4242": old,  # the old name (pid only), old: gone
+        f".ckpt-00000006.pt.tmp-{host}-{live}": None,  # this host, writer alive: stays
+        f".ckpt-00000006.pt.tmp-{host}-{live}x": old,  # not a temp name: stays
+        ".notes.txt.tmp-4242": old,  # someone else's temporary file: stays
+    }
+    for name, mtime in files.items():
+        (tmp_path / name).write_bytes(b"x" * 100)
+        if mtime:
+            os.utime(tmp_path / name, (mtime, mtime))
+    write(tmp_path, 7)
+    assert names(tmp_path) == sorted([
+        f".ckpt-00000004.pt.tmp-othernode-{live}", f".ckpt-00000006.pt.tmp-{host}-{live}",
+        f".ckpt-00000006.pt.tmp-{host}-{live}x", ".notes.txt.tmp-4242",
+        "ckpt-00000007.pt", "ckpt-00000007.pt.sha256"])
 
 
 def test_prune_keeps_the_newest(tmp_path: Path) -> None:

@@ -4,8 +4,10 @@ tests/integration/test_docs_examples.py and test_preemption.py)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -83,9 +85,90 @@ def test_corrupt_or_truncated_newest_falls_back_to_the_previous(
     assert restored is not None and restored.step == 1
     assert "skipping checkpoint ckpt-00000003.pt" in caplog.text
     assert "skipping checkpoint ckpt-00000002.pt" in caplog.text and "SHA-256" in caplog.text
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000001.pt"]  # set aside
     (tmp_path / "ckpt-00000001.pt").write_bytes(b"junk")
-    with pytest.raises(CheckpointError, match="none of the 3 checkpoints"):
+    with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
         hpc.restore_checkpoint(tmp_path, **objects())
+
+
+def test_keep_after_a_fallback_drops_the_skipped_file_not_the_good_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A corrupt ckpt-200 was skipped and the run resumed from ckpt-100: the next saves
+    must not count ckpt-200 as one of the newest `keep` (it would push out ckpt-100,
+    the one file that loads, and stay for ever)."""
+    a = objects()
+    for step in (100, 200):
+        hpc.save_checkpoint(tmp_path, step, **a, keep=2)
+    bad = tmp_path / "ckpt-00000200.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+    truncated = bad.read_bytes()
+    with caplog.at_level(logging.WARNING):
+        restored = hpc.restore_checkpoint(tmp_path, **objects(seed=1))
+    assert restored is not None and restored.step == 100
+    hpc.save_checkpoint(tmp_path, 110, **a, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000100.pt",
+                                                            "ckpt-00000110.pt"]
+    # set aside, not deleted: kept for a look under a name no listing matches
+    assert (tmp_path / "ckpt-00000200.pt.unloadable").read_bytes() == truncated
+    assert (tmp_path / "ckpt-00000200.pt.sha256.unloadable").is_file()
+    assert "set aside as ckpt-00000200.pt.unloadable" in caplog.text
+    restored = hpc.restore_checkpoint(tmp_path, **objects(seed=1))
+    assert restored is not None and restored.step == 110
+
+
+def test_nothing_is_set_aside_when_no_checkpoint_loads(tmp_path: Path) -> None:
+    """Then the resume fails and the files stay: renaming them all would turn the next
+    attempt into a silent fresh start over the run's history."""
+    a = objects()
+    for step in (1, 2):
+        hpc.save_checkpoint(tmp_path, step, **a)
+    for path in list_checkpoints(tmp_path):
+        path.write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="none of the 2 checkpoints"):
+        hpc.restore_checkpoint(tmp_path, **objects())
+    assert len(list_checkpoints(tmp_path)) == 2
+    assert not list(tmp_path.glob("*.unloadable"))
+
+
+def _good_and_corrupt(directory: Path, payload: dict) -> None:
+    for step in (100, 200):
+        save_atomic({**payload, "step": step}, directory / f"ckpt-{step:08d}.pt")
+    bad = directory / "ckpt-00000200.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+
+
+def test_hpc_pretrain_and_tune_set_a_skipped_checkpoint_aside(tmp_path: Path) -> None:
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.pretrain.resume import _choose
+
+    _good_and_corrupt(tmp_path / "checkpoints", {"model": {}})
+    path, error, payload = _choose(PretrainConfig(out=str(tmp_path)), tmp_path)
+    assert error is None and payload is not None and payload["step"] == 100
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [
+        "ckpt-00000100.pt"]
+
+
+def test_a_reader_of_another_run_leaves_its_files_alone(tmp_path: Path) -> None:
+    """hpc search reads a pretrain run's newest loadable checkpoint, it does not own
+    that directory: nothing there is renamed."""
+    from hpc.checkpoint.files import load_latest
+
+    _good_and_corrupt(tmp_path, {"model": {}})
+    path, payload = load_latest(tmp_path)
+    assert payload["step"] == 100
+    assert len(list_checkpoints(tmp_path)) == 2
+
+
+def test_hpc_search_sets_a_skipped_checkpoint_aside(tmp_path: Path) -> None:
+    from hpc.search.config import SearchConfig
+    from hpc.search.search import _exactness, _resume_payload
+
+    cfg = SearchConfig(run=str(tmp_path / "run"), out=str(tmp_path / "search"))
+    _good_and_corrupt(cfg.out_dir / "checkpoints", {"settings": _exactness(cfg)})
+    payload = _resume_payload(cfg)
+    assert payload is not None and payload["step"] == 100
+    assert [p.name for p in list_checkpoints(cfg.out_dir / "checkpoints")] == [
+        "ckpt-00000100.pt"]
 
 
 def _written_by(tmp_path: Path, world: int, batch: int = 0) -> dict:
@@ -155,6 +238,40 @@ def test_restore_positions_the_sampler(tmp_path: Path) -> None:
 def test_save_refuses_reserved_extra_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="reserved"):
         hpc.save_checkpoint(tmp_path, 1, **objects(), extra={"model": 1})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value, kind, hint", [
+    (np.mean([0.9, 0.95]), "numpy.float64", "float(x)"),
+    (Path("/data/run"), "pathlib.PosixPath", "str(path)"),
+    (argparse.Namespace(lr=0.1), "argparse.Namespace", "vars(ns)"),
+], ids=["numpy-scalar", "path", "namespace"])
+def test_save_refuses_extra_that_no_resume_could_load(tmp_path: Path, value: object,
+                                                      kind: str, hint: str) -> None:
+    """Such a file saves fine but weights_only=True refuses it at every resume; with
+    keep=1 the prune then removes the last checkpoint that did load."""
+    a = objects()
+    hpc.save_checkpoint(tmp_path, 1, **a, keep=1)
+    with pytest.raises(CheckpointError) as err:
+        hpc.save_checkpoint(tmp_path, 2, **a, keep=1, extra={"best_acc": value})
+    text = str(err.value)
+    assert re.search(rf"\['best_acc'\] is an? {kind}", text) and "weights_only" in text
+    assert "HINT:" in text and hint in text.split("HINT:")[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000001.pt", "ckpt-00000001.pt.sha256"]  # not written, nothing pruned
+    restored = hpc.restore_checkpoint(tmp_path, **objects())
+    assert restored is not None and restored.step == 1
+
+
+def test_save_names_the_refused_value_inside_the_optimizer_state(tmp_path: Path) -> None:
+    """An lr taken from numpy (np.linspace, a config read with np.float64) ends up in
+    the optimizer's param_groups: the package's own state is checked too."""
+    a = objects()
+    a["optimizer"] = torch.optim.SGD(a["model"].parameters(), lr=np.float64(0.1))
+    a["scheduler"] = torch.optim.lr_scheduler.StepLR(a["optimizer"], 3)
+    where = r"\['optimizer'\]\['param_groups'\]\[0\]\['lr'\]"
+    with pytest.raises(CheckpointError, match=where + " is a numpy.float64"):
+        hpc.save_checkpoint(tmp_path, 1, **a)
     assert not list(tmp_path.iterdir())
 
 
