@@ -154,3 +154,43 @@ def test_srun_job_ends_and_names_the_rank(mode: str, job: str, tmp_path: Path) -
     assert proc.returncode != 0, out
     assert elapsed < PG_TIMEOUT + SLACK, f"{elapsed:.1f}s\n{out}"
     assert_named(out, 3, mode)
+
+
+# --- what is not a job failure ------------------------------------------------------------
+
+CAUGHT_LOCAL_ERROR = """
+import threading, time
+import torch, torch.distributed as dist
+import hpc
+from hpc.watchdog import monitor
+
+info = hpc.init_torch(timeout=10)
+out = [None] * info.world_size
+try:
+    dist.all_gather_object(out, {"lock": threading.Lock()})
+except TypeError as e:
+    print(f"rank {info.rank} caught TypeError: {e}", flush=True)
+for step in range(8):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.5)  # 4 s in all: longer than a failed job's EXIT_GRACE
+    print(f"rank {info.rank} step {step}", flush=True)
+p = monitor._CURRENT["dog"].progress
+print(f"rank {info.rank} entered {p.entered} completed {p.completed}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_caught_local_error_does_not_end_the_job(tmp_path: Path) -> None:
+    """Issue #25 item 2: ``all_gather_object`` of an unpicklable object raises TypeError
+    on every rank before anything is sent; the script catches it and trains on. The job
+    used to end at step 2 (every rank's watchdog read a published failure)."""
+    path = tmp_path / "caught.py"
+    path.write_text(CAUGHT_LOCAL_ERROR)
+    proc = hpc_run(2, [str(path)], timeout=80, env=clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank} caught TypeError: cannot pickle" in out, out
+        assert f"rank {rank} step 7" in out, out
+        assert f"rank {rank} entered 9 completed 9" in out, out
+    assert "CollectiveError" not in out, out

@@ -101,3 +101,72 @@ def test_tracker_reports_a_failed_async_collective_off_thread() -> None:
         assert got.wait(5)
     finally:
         tracker.uninstall(module)
+
+
+@pytest.fixture
+def gloo_world() -> Any:
+    """A one-rank gloo group with the tracker installed on ``torch.distributed``."""
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    failures: list[tuple[int, str, BaseException, bool]] = []
+    progress = tracker.Progress()
+    tracker.install(progress, lambda *a: failures.append(a) or ValueError("the report"))
+    try:
+        yield types.SimpleNamespace(dist=dist, progress=progress, failures=failures)
+    finally:
+        tracker.uninstall()
+        dist.destroy_process_group()
+
+
+def test_a_local_error_reaches_the_caller_as_itself_and_completes_its_number(
+        gloo_world: Any) -> None:
+    """Issue #25 item 2: an object that cannot be pickled, or arguments the backend
+    refuses before sending anything, are the caller's errors, not a job failure: no
+    failure published (every rank would exit), the caller's ``except TypeError`` works,
+    and the collective's number completes, so the next one is not blamed for a wait."""
+    import torch
+
+    dist, progress = gloo_world.dist, gloo_world.progress
+    with pytest.raises(TypeError, match="pickle"):
+        dist.all_gather_object([None], {"lock": threading.Lock()})
+    with pytest.raises(RuntimeError, match="invalid output tensor list"):
+        dist.all_gather([torch.ones(2), torch.ones(2)], torch.ones(2))
+    assert gloo_world.failures == []
+    assert (progress.entered, progress.completed) == (2, 2) and not progress.waiting()
+    dist.all_reduce(torch.ones(1))
+    assert (progress.entered, progress.completed, progress.op) == (3, 3, "all_reduce")
+
+
+def test_backend_failures_still_fail_the_job() -> None:
+    """What a backend raises while the collective waits for its peers (gloo: a plain
+    RuntimeError out of ``work.wait()``), torch's ``DistError`` family, and timeouts of
+    calls that block in C++ (``monitored_barrier``) stay job failures."""
+    dist = pytest.importorskip("torch.distributed")
+
+    def waits_then_fails(t: Any, group: Any = None) -> None:
+        # a Work whose C++ wait() raises (here: a builtin raising RuntimeError, words
+        # that name no timeout), as gloo's does on a transport error
+        work = types.SimpleNamespace(wait=threading.Lock().release)
+        work.wait()
+
+    def refused(t: Any, group: Any = None) -> None:
+        raise dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error")
+
+    def blocked(group: Any = None) -> None:
+        raise RuntimeError("[Rank 0]: Rank 1 failed to pass monitoredBarrier in 2000 ms\n "
+                           "Original exception: \n[../gloo/transport/tcp/unbound_buffer.cc:78] "
+                           "Timed out waiting 2000ms for recv operation to complete")
+
+    module = types.SimpleNamespace(all_reduce=waits_then_fails, broadcast=refused,
+                                   monitored_barrier=blocked,
+                                   DistError=dist.DistError)
+    seen: list[str] = []
+    tracker.install(tracker.Progress(), lambda seq, op, e, r: seen.append(op) or None, module)
+    try:
+        for call in (lambda: module.all_reduce(1), lambda: module.broadcast(1),
+                     module.monitored_barrier):
+            with pytest.raises(RuntimeError):
+                call()
+    finally:
+        tracker.uninstall(module)
+    assert seen == ["all_reduce", "broadcast", "monitored_barrier"]
