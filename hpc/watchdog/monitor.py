@@ -269,7 +269,9 @@ class Watchdog:
 
     def collective_failed(self, seq: int, op: str, error: BaseException,
                           raising: bool = True) -> Exception | None:
-        """Tracker callback: collective ``op #seq`` raised ``error`` on this rank.
+        """Tracker callback: collective ``op #seq`` failed on this rank with ``error``, a
+        job failure (:func:`~hpc.watchdog.tracker.is_job_failure`: a timeout or a lost
+        peer; the tracker passes other errors, raised before sending, to the caller).
 
         The first failing rank gathers the report and publishes the failure; the others
         wait for it. Returns the :class:`CollectiveError` to raise instead; when nobody

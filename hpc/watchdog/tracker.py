@@ -10,21 +10,30 @@ entered the collective they wait in.
 Only calls made through the ``torch.distributed`` module after ``init_torch`` are seen
 (``dist.all_reduce(...)``; not a function imported by name before, not collectives that
 C++ issues, e.g. DDP's reducer) and only on the default group; other calls pass through
-untouched. A synchronous collective that raises (a timeout, a dead peer) is handed to
-the ``on_failure`` callback before the error propagates; an ``async_op=True`` one
-completes (or fails) through its future.
+untouched.
+
+A collective that raises is one of two things (:func:`is_job_failure`). A *job failure*
+(the backend timed out or lost a peer while waiting for the others) is handed to the
+``on_failure`` callback before the error propagates, and may be replaced by what it
+returns. Any other error was raised before this rank sent anything (an object that
+cannot be pickled, arguments the backend refuses): it reaches the caller as itself and
+the collective's number completes, so a script that catches it goes on counting in step
+with its peers. An ``async_op=True`` collective completes (or fails) through its future.
 """
 
 from __future__ import annotations
 
 import functools
+import linecache
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["COLLECTIVES", "Progress", "install", "uninstall", "begin", "end"]
+__all__ = ["COLLECTIVES", "Progress", "begin", "end", "install", "is_job_failure",
+           "uninstall"]
 
 #: The ``torch.distributed`` functions counted as collectives.
 COLLECTIVES = (
@@ -68,10 +77,47 @@ class Progress:
         return asdict(self)
 
 
+#: A backend's own words for a timeout or a lost peer: gloo raises them as a plain
+#: RuntimeError, and a call that blocks inside C++ (``monitored_barrier``) raises them
+#: from no ``wait()``.
+_TRANSPORT_WORDS = re.compile(
+    r"timed out|timeout|connection|closed by peer|reset by peer|broken pipe|socket", re.I)
+
+
+def _raised_waiting(error: BaseException) -> bool:
+    """True when ``error`` came out of a ``.wait(...)`` call: the innermost frame of its
+    traceback is a line waiting for a Work (the backend's side, after the send)."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return ".wait(" in linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+
+
+def is_job_failure(error: BaseException, backend_errors: tuple[type, ...] = ()) -> bool:
+    """True when a collective's ``error`` means the job cannot go on: the backend timed
+    out or lost a peer.
+
+    That is torch's own backend errors (``backend_errors``: ``torch.distributed.DistError``
+    and its ``DistBackendError``, ``DistNetworkError``, ``DistStoreError``),
+    ``TimeoutError`` and ``ConnectionError``, and a ``RuntimeError`` raised while waiting
+    for the backend's Work or naming a timeout or a lost connection (gloo's kind). Every
+    other error (``TypeError`` of an object that cannot be pickled, the backend's
+    argument checks when the Work is created, ``NotImplementedError`` of an op the
+    backend lacks) is raised before anything was sent: the caller's to handle.
+    """
+    if isinstance(error, (TimeoutError, ConnectionError, *backend_errors)):
+        return True
+    if not isinstance(error, RuntimeError) or isinstance(error, NotImplementedError):
+        return False
+    return _raised_waiting(error) or bool(_TRANSPORT_WORDS.search(str(error)))
+
+
 _LOCK = threading.Lock()
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 #: (progress, on_failure) while installed: for :func:`begin` / :func:`end`.
-_ACTIVE: list[tuple[Progress, OnFailure]] = []
+_ACTIVE: list[tuple[Progress, OnFailure, tuple[type, ...]]] = []
 
 
 def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str,
@@ -116,7 +162,8 @@ def _watch_future(progress: Progress, seq: int, name: str, work: Any,
 
 
 def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
-          on_failure: OnFailure, members: Any) -> Callable[..., Any]:
+          on_failure: OnFailure, members: Any,
+          backend_errors: tuple[type, ...]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
         if not _is_world(kwargs, args, name, members):
@@ -128,6 +175,9 @@ def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
+            if not is_job_failure(e, backend_errors):
+                _complete(progress, seq)
+                raise
             instead = on_failure(seq, name, e, True)
             if instead is not None:
                 raise instead from e
@@ -152,13 +202,14 @@ def install(progress: Progress, on_failure: OnFailure,
         import torch.distributed as module  # type: ignore[no-redef]
     uninstall(module)
     members = getattr(module, "GroupMember", None)  # looked up once, not per collective
+    backend_errors = tuple(e for e in [getattr(module, "DistError", None)] if e is not None)
     for name in COLLECTIVES:
         fn = getattr(module, name, None)
         if fn is None:
             continue
         _ORIGINALS[name] = fn
-        setattr(module, name, _wrap(name, fn, progress, on_failure, members))
-    _ACTIVE[:] = [(progress, on_failure)]
+        setattr(module, name, _wrap(name, fn, progress, on_failure, members, backend_errors))
+    _ACTIVE[:] = [(progress, on_failure, backend_errors)]
 
 
 def uninstall(module: Any | None = None) -> None:
@@ -187,12 +238,13 @@ def begin(name: str) -> Optional[int]:
 
 def end(seq: Optional[int], name: str, error: Optional[BaseException] = None
         ) -> Optional[BaseException]:
-    """Complete :func:`begin`'s ``seq``, or report its ``error`` (returns what to raise
-    instead, as the wrapped collectives do)."""
+    """Complete :func:`begin`'s ``seq``, or report its ``error`` when it is a job
+    failure (:func:`is_job_failure`; returns what to raise instead, as the wrapped
+    collectives do); any other error completes ``seq`` and is the caller's to raise."""
     if seq is None or not _ACTIVE:
         return None
-    progress, on_failure = _ACTIVE[0]
-    if error is not None:
+    progress, on_failure, backend_errors = _ACTIVE[0]
+    if error is not None and is_job_failure(error, backend_errors):
         return on_failure(seq, name, error, True)
     _complete(progress, seq)
     return None
