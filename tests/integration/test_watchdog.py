@@ -194,3 +194,40 @@ def test_a_caught_local_error_does_not_end_the_job(tmp_path: Path) -> None:
         assert f"rank {rank} step 7" in out, out
         assert f"rank {rank} entered 9 completed 9" in out, out
     assert "CollectiveError" not in out, out
+
+
+SUBGROUP_THEN_SLEEP = """
+import os, time
+import torch, torch.distributed as dist
+import hpc
+
+info = hpc.init_torch(timeout=float(os.environ["PG_TIMEOUT"]))
+solo = dist.new_group([0])
+t = torch.ones(1)
+if info.rank == 0:
+    dist.all_reduce(t, dist.ReduceOp.SUM, solo)  # the group by position
+    dist.all_reduce(t, dist.ReduceOp.SUM, solo)
+    print("rank 0 sleeps", flush=True)
+    time.sleep(3600)  # SOLO-LINE
+dist.barrier()
+print("UNREACHABLE", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_subgroup_collectives_by_position_do_not_shift_the_numbers(tmp_path: Path) -> None:
+    """Issue #25 item 3: rank 0 runs two ``all_reduce(t, op, group)`` on a group of its
+    own, then sleeps in its own code; rank 1 waits in ``barrier()``. The report used to
+    say rank 1 "never entered all_reduce #2" and hpc run named rank 1."""
+    path = tmp_path / "solo.py"
+    path.write_text(SUBGROUP_THEN_SLEEP)
+    line = next(i for i, text in enumerate(SUBGROUP_THEN_SLEEP.splitlines(), 1)
+                if "SOLO-LINE" in text)
+    proc = hpc_run(2, [str(path)], timeout=80,
+                   env=clean_env(PG_TIMEOUT=str(PG_TIMEOUT)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert re.search(r"rank 0 \(\S+, pid \d+\) never entered barrier #1: it entered no "
+                     rf"collective; it is at solo.py:{line} in <module>", out), out
+    assert "hpc run: rank 0 (pid" in proc.stderr and "failed first" in proc.stderr, proc.stderr
+    assert "UNREACHABLE" not in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 from typing import Any
 
@@ -170,3 +171,33 @@ def test_backend_failures_still_fail_the_job() -> None:
     finally:
         tracker.uninstall(module)
     assert seen == ["all_reduce", "broadcast", "monitored_barrier"]
+
+
+def test_a_subgroup_passed_by_position_is_not_a_world_collective(gloo_world: Any) -> None:
+    """Issue #25 item 3: ``all_reduce(t, op, group)``, ``broadcast(t, src, group)``,
+    ``reduce(t, dst, op, group)``, ``monitored_barrier(group)`` on a subgroup used to
+    count as world collectives, so one rank's numbers ran ahead of its peers' and the
+    report blamed a rank that only waited. ``async_op`` by position counts too."""
+    import torch
+
+    dist, progress = gloo_world.dist, gloo_world.progress
+    solo, t, total = dist.new_group([0]), torch.ones(2), dist.ReduceOp.SUM
+    dist.all_reduce(t, total, solo)
+    dist.broadcast(t, 0, solo)
+    dist.reduce(t, 0, total, solo)
+    dist.all_gather([t], t, solo)
+    dist.monitored_barrier(solo)
+    dist.barrier(solo)
+    assert progress.entered == 0
+    dist.all_reduce(t, total, None)
+    dist.broadcast(t, 0, dist.group.WORLD)
+    work = dist.all_reduce(t, total, None, True)  # async_op by position
+    assert work is not None
+    work.wait()
+    assert progress.entered == 3
+    # the async one completes through its future
+    for _ in range(100):
+        if progress.completed == 3:
+            break
+        time.sleep(0.01)
+    assert progress.completed == 3
