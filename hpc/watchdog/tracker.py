@@ -24,6 +24,7 @@ with its peers. An ``async_op=True`` collective completes (or fails) through its
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 import re
 import threading
@@ -120,17 +121,27 @@ _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _ACTIVE: list[tuple[Progress, OnFailure, tuple[type, ...]]] = []
 
 
-def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str,
-              members: Any) -> bool:
-    """True when the call runs on the default group (``group=None`` or WORLD).
+#: Past any call's arguments: "this function takes no such parameter".
+_NOWHERE = 1 << 30
 
-    ``members`` is the module's ``GroupMember`` (None for a module without one); its
-    ``WORLD`` is read at each call, since ``init_process_group`` replaces it.
-    """
-    group = kwargs.get("group")
-    if group is None and name == "barrier" and args:
-        group = args[0]
-    return group is None or (members is not None and group is members.WORLD)
+
+def _shape(fn: Callable[..., Any]) -> tuple[int, Any, int]:
+    """Where ``fn`` takes ``group`` and ``async_op`` by position, read once from its real
+    signature (through ``functools.wraps``' ``__wrapped__``): ``(group's index, group's
+    default, async_op's index)``, :data:`_NOWHERE` for a parameter it lacks. So
+    ``all_reduce(t, op, group)`` and ``reduce(t, dst, op, group, True)`` are read as
+    torch reads them, at the cost of a dict lookup and a tuple index per call."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature: only keywords are seen
+        return _NOWHERE, None, _NOWHERE
+    positional = [p.name for p in params if p.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    group = next((p for p in params if p.name == "group"), None)
+    default = None if group is None or group.default is inspect.Parameter.empty \
+        else group.default
+    return (positional.index("group") if "group" in positional else _NOWHERE, default,
+            positional.index("async_op") if "async_op" in positional else _NOWHERE)
 
 
 def _complete(progress: Progress, seq: int) -> None:
@@ -164,9 +175,14 @@ def _watch_future(progress: Progress, seq: int, name: str, work: Any,
 def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
           on_failure: OnFailure, members: Any,
           backend_errors: tuple[type, ...]) -> Callable[..., Any]:
+    group_at, group_default, async_at = _shape(fn)
+
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if not _is_world(kwargs, args, name, members):
+        group = kwargs["group"] if "group" in kwargs else \
+            args[group_at] if group_at < len(args) else group_default
+        # members.WORLD is read at each call: init_process_group replaces it
+        if group is not None and (members is None or group is not members.WORLD):
             return fn(*args, **kwargs)
         with _LOCK:
             progress.entered += 1
@@ -182,7 +198,9 @@ def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
             if instead is not None:
                 raise instead from e
             raise
-        if kwargs.get("async_op") and result is not None:
+        async_op = kwargs["async_op"] if "async_op" in kwargs else \
+            async_at < len(args) and args[async_at]
+        if async_op and result is not None:
             _watch_future(progress, seq, name, result, on_failure)
         else:
             _complete(progress, seq)
