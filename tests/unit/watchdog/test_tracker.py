@@ -201,3 +201,32 @@ def test_a_subgroup_passed_by_position_is_not_a_world_collective(gloo_world: Any
             break
         time.sleep(0.01)
     assert progress.completed == 3
+
+
+def test_torch_compile_traces_a_tracked_collective_without_a_break(gloo_world: Any) -> None:
+    """Issue #25 item 4: once init_torch ran, dynamo met the wrapper's lock at every
+    collective (a graph break, 'Unsupported context manager'; ``fullgraph=True``
+    raised). Under compilation the wrapper hands over to torch's function at once:
+    dynamo traces it as it would untracked, and the compiled call is not counted."""
+    import torch
+
+    dist, progress = gloo_world.dist, gloo_world.progress
+
+    def step(t: Any) -> Any:
+        dist.all_reduce(t)
+        return t * 2
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    try:
+        torch.compile(step, backend="eager")(torch.ones(4))
+        assert dict(counters["graph_break"]) == {}
+        torch._dynamo.reset()
+        out = torch.compile(step, fullgraph=True, backend="eager")(torch.ones(4))
+    finally:
+        torch._dynamo.reset()
+    assert out.tolist() == [2.0] * 4
+    assert progress.entered == 0  # inside a compiled graph: not counted
+    step(torch.ones(4))  # eager again: counted
+    assert (progress.entered, progress.completed) == (1, 1)
