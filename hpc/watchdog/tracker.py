@@ -10,7 +10,9 @@ entered the collective they wait in.
 Only calls made through the ``torch.distributed`` module after ``init_torch`` are seen
 (``dist.all_reduce(...)``; not a function imported by name before, not collectives that
 C++ issues, e.g. DDP's reducer) and only on the default group; other calls pass through
-untouched.
+untouched. Collectives inside a ``torch.compile`` graph are not counted either: while
+dynamo traces, the wrapper calls torch's function straight away, so the graph holds
+the collective itself (no graph break) and its runs never pass through the wrapper.
 
 A collective that raises is one of two things (:func:`is_job_failure`). A *job failure*
 (the backend timed out or lost a peer while waiting for the others) is handed to the
@@ -172,13 +174,29 @@ def _watch_future(progress: Progress, seq: int, name: str, work: Any,
     future.add_done_callback(done)
 
 
+def _is_compiling() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling`` (always False without it): dynamo evaluates it to
+    True while it traces, and the wrapper then hands over to torch's own function, which
+    dynamo knows how to trace (its lock and clock it does not: a graph break at every
+    collective, an error under ``fullgraph=True``)."""
+    try:
+        import torch.compiler
+
+        return torch.compiler.is_compiling
+    except (ImportError, AttributeError):
+        return lambda: False
+
+
 def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
           on_failure: OnFailure, members: Any,
           backend_errors: tuple[type, ...]) -> Callable[..., Any]:
     group_at, group_default, async_at = _shape(fn)
+    compiling = _is_compiling()
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
+        if compiling():  # inside a graph being traced: not counted
+            return fn(*args, **kwargs)
         group = kwargs["group"] if "group" in kwargs else \
             args[group_at] if group_at < len(args) else group_default
         # members.WORLD is read at each call: init_process_group replaces it
