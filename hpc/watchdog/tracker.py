@@ -239,6 +239,9 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
     group_at, group_default, async_at, first_name = _shape(fn)
     compiling = _is_compiling()
     on_device = mark is not None and name in DEVICE_COLLECTIVES
+    # closure locals: the common path (nothing pending on a GPU) is _enter and
+    # _complete inlined, with no global or attribute lookups it can avoid
+    progress, items, lock, clock = backlog.progress, backlog.items, _LOCK, time.time
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
@@ -254,7 +257,12 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
             first = _first_tensor(args, kwargs, first_name)
             if getattr(first, "is_cuda", False):
                 started = mark(first)  # type: ignore[misc]
-        seq = _enter(backlog, name, started)
+        with lock:
+            progress.queued = seq = progress.queued + 1
+            if started is None and not items:  # nothing pending: entered now
+                progress.entered, progress.op, progress.since = seq, name, clock()
+            else:
+                backlog.add(seq, name, started, clock())
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
@@ -273,7 +281,11 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
         elif async_op and result is not None:
             _watch_future(backlog, seq, name, result, on_failure)
         else:
-            _complete(backlog, seq)
+            with lock:
+                if items:
+                    backlog.finish(seq, True, clock())
+                elif seq > progress.completed:
+                    progress.completed, progress.since = seq, clock()
         return result
 
     tracked.__hpc_tracked__ = True  # type: ignore[attr-defined]
