@@ -86,14 +86,18 @@ class Backlog:
         device reached it (None: it started now, e.g. a host collective behind a
         pending CUDA one)."""
         self.items.append(_Item(seq, op, started))
-        self._advance(now, ask=len(self.items) >= MAX_BACKLOG)
+        if len(self.items) >= MAX_BACKLOG:
+            self._advance(now, ask=True)
+        elif started is None and self.progress.entered == seq - 1:  # entered now
+            self._advance(now)
 
     def finish(self, seq: int, finished: Done | bool, now: float) -> None:
         """``#seq``'s call returned: it is finished (True), or ``finished`` tells when."""
         items, p = self.items, self.progress
         if items and items[0].seq <= seq <= items[-1].seq:
             items[seq - items[0].seq].finished = finished
-            self._advance(now)
+            if seq <= p.entered:  # one not entered yet cannot complete
+                self._advance(now)
         # Not here: it completed out of order (an async gloo future) before the backlog.
         elif p.completed < seq < (items[0].seq if items else p.entered + 1):
             p.completed, p.since = seq, now

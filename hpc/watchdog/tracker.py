@@ -276,8 +276,10 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
         async_op = kwargs["async_op"] if "async_op" in kwargs else \
             async_at < len(args) and args[async_at]
         if started is not None:  # queued on the GPU: finished when the device says so
-            finished = getattr(result, "is_completed", None) if async_op else None
-            _complete(backlog, seq, finished or mark(first) or True)  # type: ignore[misc]
+            finished = (getattr(result, "is_completed", None) if async_op else None) \
+                or mark(first) or True  # type: ignore[misc]
+            with lock:
+                backlog.finish(seq, finished, clock())
         elif async_op and result is not None:
             _watch_future(backlog, seq, name, result, on_failure)
         else:
