@@ -4,8 +4,9 @@
 # host syncs counted, overlap memory, two pretrains' digests, two ranks on one GPU where
 # NCCL >= 2.30), the NCCL hang check (bench/nccl_hang_check.py: two NCCL ranks, rank 1's
 # GPU sleeps in a kernel before an all_reduce and the watchdog's warning must name it;
-# two GPUs, or one with NCCL >= 2.30, else skipped), the CUDA integration tests, and the
-# one-GPU overhead benchmark. Needs no
+# two GPUs, or one with NCCL >= 2.30, else skipped), the tracker's cost per NCCL
+# collective (bench/tracker_overhead.py), the CUDA integration tests, and the one-GPU
+# overhead benchmark. Needs no
 # network, Slurm or MPI, and no install: the checkout is put on PYTHONPATH.
 #
 #   OUT=/some/dir bash bench/device_check.sh          # from the repository root
@@ -110,6 +111,10 @@ case $rc_hang in
     *) hang_verdict="FAIL" ;;
 esac
 
+step "bench/tracker_overhead.py (the tracker's cost per collective, CUDA events included)"
+timeout 90 "$PY" bench/tracker_overhead.py --calls 5000 --rounds 3
+rc_overhead=$?
+
 step "pytest tests/integration/test_cuda.py"
 timeout 240 "$PY" -m pytest -p no:cacheprovider -v -rs -s --timeout 120 \
     --junitxml="$OUT/test_cuda.xml" tests/integration/test_cuda.py
@@ -131,6 +136,7 @@ echo "versions rc=$rc_versions demo rc=$rc_demo"
 echo "nccl_check rc=$rc_nccl ($([ "$rc_nccl" = 0 ] && echo passed || echo FAILED))"
 echo "pytest test_cuda.py rc=$rc_tests ($([ "$rc_tests" = 0 ] && echo passed || echo FAILED))"
 echo "nccl_hang_check rc=$rc_hang: $hang_verdict"
+echo "tracker_overhead rc=$rc_overhead (figures only, no target)"
 echo "gpu_check rc=$rc_gpu: $gpu_verdict"
 echo "total ${SECONDS}s; log $OUT/device_check.log"
 # nccl_hang_check's skip (77) does not fail the run: this machine cannot hold two NCCL
