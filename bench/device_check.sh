@@ -2,7 +2,11 @@
 # The GPU checks in one go, for a lent GPU node (one GPU is enough): versions, the NCCL
 # check (bench/nccl_check.py: every sync collective through a real one-rank NCCL group,
 # host syncs counted, overlap memory, two pretrains' digests, two ranks on one GPU where
-# NCCL >= 2.30), the CUDA integration tests, and the one-GPU overhead benchmark. Needs no
+# NCCL >= 2.30), the NCCL hang check (bench/nccl_hang_check.py: two NCCL ranks, rank 1's
+# GPU sleeps in a kernel before an all_reduce and the watchdog's warning must name it;
+# two GPUs, or one with NCCL >= 2.30, else skipped), the tracker's cost per NCCL
+# collective (bench/tracker_overhead.py), the CUDA integration tests, and the one-GPU
+# overhead benchmark. Needs no
 # network, Slurm or MPI, and no install: the checkout is put on PYTHONPATH.
 #
 #   OUT=/some/dir bash bench/device_check.sh          # from the repository root
@@ -10,7 +14,8 @@
 # Everything is also written to $OUT/device_check.log (plus $OUT/test_cuda.xml).
 # PYTHON picks the interpreter (default python3; it needs torch, pytest, pytest-timeout,
 # scikit-learn). Budget: the step timeouts add up to under 7 minutes (expected 3-4 on an
-# H200), so one run and a rerun fit 15 minutes of device time.
+# H200, the NCCL hang check about 30 s of it), so one run and a rerun fit 15 minutes of
+# device time.
 # Exit status: 0 when every step passed; 1 when a step failed; 3 at once when CUDA is
 # unavailable (a GPU check that passes without a GPU would prove nothing). Once CUDA is
 # there it never stops early: every step's result is logged.
@@ -96,6 +101,20 @@ step "bench/nccl_check.py (NCCL collectives on one GPU)"
 timeout 240 "$PY" bench/nccl_check.py
 rc_nccl=$?
 
+step "bench/nccl_hang_check.py (the watchdog names a rank whose GPU is stuck before an all_reduce)"
+timeout 150 "$PY" bench/nccl_hang_check.py
+rc_hang=$?
+case $rc_hang in
+    0) hang_verdict="PASS" ;;
+    77) hang_verdict="SKIPPED (one GPU, NCCL < 2.30: no two NCCL ranks; NOT verified)" ;;
+    124) hang_verdict="TIMEOUT" ;;
+    *) hang_verdict="FAIL" ;;
+esac
+
+step "bench/tracker_overhead.py (the tracker's cost per collective, CUDA events included)"
+timeout 90 "$PY" bench/tracker_overhead.py --calls 5000 --rounds 3
+rc_overhead=$?
+
 step "pytest tests/integration/test_cuda.py"
 timeout 240 "$PY" -m pytest -p no:cacheprovider -v -rs -s --timeout 120 \
     --junitxml="$OUT/test_cuda.xml" tests/integration/test_cuda.py
@@ -116,9 +135,14 @@ step "summary"
 echo "versions rc=$rc_versions demo rc=$rc_demo"
 echo "nccl_check rc=$rc_nccl ($([ "$rc_nccl" = 0 ] && echo passed || echo FAILED))"
 echo "pytest test_cuda.py rc=$rc_tests ($([ "$rc_tests" = 0 ] && echo passed || echo FAILED))"
+echo "nccl_hang_check rc=$rc_hang: $hang_verdict"
+echo "tracker_overhead rc=$rc_overhead (figures only, no target)"
 echo "gpu_check rc=$rc_gpu: $gpu_verdict"
 echo "total ${SECONDS}s; log $OUT/device_check.log"
+# nccl_hang_check's skip (77) does not fail the run: this machine cannot hold two NCCL
+# ranks; the summary line above says it was not verified.
 if [ "$rc_versions" = 0 ] && [ "$rc_demo" = 0 ] && [ "$rc_nccl" = 0 ] \
+        && { [ "$rc_hang" = 0 ] || [ "$rc_hang" = 77 ]; } \
         && [ "$rc_tests" = 0 ] && [ "$rc_gpu" = 0 ]; then
     finish 0
 fi

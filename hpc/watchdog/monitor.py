@@ -6,7 +6,10 @@ thread per rank. Through the pre-flight store it:
 
 * publishes this rank's progress (last collective's sequence number and op) when it
   changes, and answers report requests with that, where its main thread is and its
-  Python stacks (:mod:`faulthandler`, all threads);
+  Python stacks (:mod:`faulthandler`, all threads); for collectives on CUDA tensors it
+  first asks the GPU which of them it reached and finished (:func:`tracker.poll
+  <hpc.watchdog.tracker.poll>`, :mod:`hpc.watchdog.device`), since NCCL returns once
+  a collective is queued;
 * when this rank has waited in a collective for ``HPC_HANG_TIMEOUT`` seconds, asks every
   rank for a report and logs it as a warning (once per collective; nothing is killed);
 * when a collective fails on a rank (its timeout, a dead peer), that rank gathers the
@@ -139,7 +142,7 @@ class Watchdog:
         self.progress = tracker.Progress()
         self.failure: dict[str, Any] | None = None
         self._stop = threading.Event()
-        self._published: tuple[int, int, str] = (-1, -1, "")
+        self._published: tuple[int, int, str, int] = (-1, -1, "", -1)
         self._answered = 0
         self._warned = 0
         self._thread: threading.Thread | None = None
@@ -183,6 +186,7 @@ class Watchdog:
                                "or is stopped")
 
     def _tick(self) -> None:
+        tracker.poll()  # what the GPU finished of the CUDA collectives queued on it
         self._publish()
         self._answer()
         if self._store.check(["hpc/wd/failed"]):
@@ -226,7 +230,7 @@ class Watchdog:
 
     def _publish(self) -> None:
         p = self.progress
-        now = (p.entered, p.completed, p.failed)
+        now = (p.entered, p.completed, p.failed, p.queued)
         if now != self._published:
             self._store.set(f"hpc/wd/state/{self.info.rank}", json.dumps(self._mine(False)))
             self._published = now
@@ -243,6 +247,7 @@ class Watchdog:
 
     def gather(self, store: Any) -> dict[int, dict[str, Any]]:
         """Ask every rank for its entry; wait ``ANSWER_WAIT`` s; fill in the silent."""
+        tracker.poll()
         k = int(store.add("hpc/wd/req", 1))
         entries: dict[int, dict[str, Any]] = {self.info.rank: self._mine(True)}
         pending = [r for r in range(self.info.world_size) if r != self.info.rank]
@@ -269,7 +274,9 @@ class Watchdog:
 
     def collective_failed(self, seq: int, op: str, error: BaseException,
                           raising: bool = True) -> Exception | None:
-        """Tracker callback: collective ``op #seq`` raised ``error`` on this rank.
+        """Tracker callback: collective ``op #seq`` failed on this rank with ``error``, a
+        job failure (:func:`~hpc.watchdog.tracker.is_job_failure`: a timeout or a lost
+        peer; the tracker passes other errors, raised before sending, to the caller).
 
         The first failing rank gathers the report and publishes the failure; the others
         wait for it. Returns the :class:`CollectiveError` to raise instead; when nobody

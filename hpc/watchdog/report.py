@@ -3,6 +3,8 @@
 Pure functions over what every rank contributed through the pre-flight store (see
 :mod:`hpc.watchdog.monitor`): its collective progress (:class:`~hpc.watchdog.tracker.Progress`),
 host and pid, and, when its watchdog answered, where its main thread is and its stack.
+For collectives on a GPU the progress is the device's (:mod:`hpc.watchdog.device`): a
+rank whose host queued a collective that its GPU never reached did not enter it.
 """
 
 from __future__ import annotations
@@ -65,14 +67,17 @@ def _who(rank: int, e: Mapping[str, Any]) -> str:
 
 def _last(e: Mapping[str, Any], now: float) -> str:
     entered, completed = int(e.get("entered", 0)), int(e.get("completed", 0))
+    queued = int(e.get("queued", entered))
+    behind = (f"; its host queued up to #{queued}, which its GPU has not reached"
+              if queued > entered else "")
     last = "its last collective was" if e.get("answered") else \
         "the last collective it published was"
     if entered == 0:
-        return "it entered no collective" if e.get("answered") else \
-            "it published no collective yet"
+        return ("it entered no collective" if e.get("answered") else
+                "it published no collective yet") + behind
     state = "completed" if completed >= entered else "still in"
     ago = max(0.0, now - float(e.get("since", now)))
-    return f"{last} {e.get('op')} #{entered} ({state}, {ago:.1f}s ago)"
+    return f"{last} {e.get('op')} #{entered} ({state}, {ago:.1f}s ago){behind}"
 
 
 def _culprit_line(rank: int, e: Mapping[str, Any], seq: int, op: str, now: float) -> str:

@@ -10,21 +10,39 @@ entered the collective they wait in.
 Only calls made through the ``torch.distributed`` module after ``init_torch`` are seen
 (``dist.all_reduce(...)``; not a function imported by name before, not collectives that
 C++ issues, e.g. DDP's reducer) and only on the default group; other calls pass through
-untouched. A synchronous collective that raises (a timeout, a dead peer) is handed to
-the ``on_failure`` callback before the error propagates; an ``async_op=True`` one
-completes (or fails) through its future.
+untouched. Collectives inside a ``torch.compile`` graph are not counted either: while
+dynamo traces, the wrapper calls torch's function straight away, so the graph holds
+the collective itself (no graph break) and its runs never pass through the wrapper.
+
+A collective that raises is one of two things (:func:`is_job_failure`). A *job failure*
+(the backend timed out or lost a peer while waiting for the others) is handed to the
+``on_failure`` callback before the error propagates, and may be replaced by what it
+returns. Any other error was raised before this rank sent anything (an object that
+cannot be pickled, arguments the backend refuses): it reaches the caller as itself and
+the collective's number completes, so a script that catches it goes on counting in step
+with its peers. An ``async_op=True`` collective completes (or fails) through its future.
+
+A collective on CUDA tensors (:data:`DEVICE_COLLECTIVES`; NCCL returns once it is
+queued) is entered and completed by the GPU instead: CUDA events recorded around the
+call, asked later by the watchdog thread (:func:`poll`, :mod:`hpc.watchdog.device`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import linecache
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["COLLECTIVES", "Progress", "install", "uninstall", "begin", "end"]
+from hpc.watchdog import device
+
+__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "Progress", "begin", "end", "install",
+           "is_job_failure", "poll", "uninstall"]
 
 #: The ``torch.distributed`` functions counted as collectives.
 COLLECTIVES = (
@@ -34,6 +52,11 @@ COLLECTIVES = (
     "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list",
     "gather_object", "scatter_object_list", "monitored_barrier",
 )
+#: Those that return once queued when their tensors are on a GPU (NCCL): their start
+#: and finish are read from the device (:mod:`hpc.watchdog.device`). The barriers and
+#: object collectives wait on the host under NCCL too.
+DEVICE_COLLECTIVES = frozenset(
+    n for n in COLLECTIVES if "barrier" not in n and not n.endswith(("_object", "_list")))
 
 #: ``on_failure(seq, op, error, raising)``; ``raising`` is False for an ``async_op``
 #: collective (nobody raises what it returns). It may return an exception to raise
@@ -45,12 +68,17 @@ OnFailure = Callable[[int, str, BaseException, bool], Optional[BaseException]]  
 class Progress:
     """This rank's collective progress (times are ``time.time()``).
 
+    For a collective on CUDA tensors "entered" and "completed" are the GPU's: it
+    reached the collective, it finished it (:mod:`hpc.watchdog.device`).
+
     Attributes:
         entered: Sequence number of the last world collective this rank entered.
         completed: Sequence number of the last one that completed here.
         op: Name of collective ``#entered``.
         since: When the rank last made progress (entered or completed one).
         failed: ``"op #n: error"`` once a collective failed on this rank.
+        queued: Sequence number of the last one this rank's Python called: ahead of
+            ``entered`` while its GPU has not reached what the host queued.
     """
 
     entered: int = 0
@@ -58,6 +86,7 @@ class Progress:
     op: str = ""
     since: float = field(default_factory=time.time)
     failed: str = ""
+    queued: int = 0
 
     def waiting(self) -> bool:
         """True while a collective this rank entered has not completed."""
@@ -68,39 +97,115 @@ class Progress:
         return asdict(self)
 
 
+#: A backend's own words for a timeout or a lost peer: gloo raises them as a plain
+#: RuntimeError, and a call that blocks inside C++ (``monitored_barrier``) raises them
+#: from no ``wait()``.
+_TRANSPORT_WORDS = re.compile(
+    r"timed out|timeout|connection|closed by peer|reset by peer|broken pipe|socket", re.I)
+
+
+def _raised_waiting(error: BaseException) -> bool:
+    """True when ``error`` came out of a ``.wait(...)`` call: the innermost frame of its
+    traceback is a line waiting for a Work (the backend's side, after the send)."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return ".wait(" in linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+
+
+def is_job_failure(error: BaseException, backend_errors: tuple[type, ...] = ()) -> bool:
+    """True when a collective's ``error`` means the job cannot go on: the backend timed
+    out or lost a peer.
+
+    That is torch's own backend errors (``backend_errors``: ``torch.distributed.DistError``
+    and its ``DistBackendError``, ``DistNetworkError``, ``DistStoreError``),
+    ``TimeoutError`` and ``ConnectionError``, and a ``RuntimeError`` raised while waiting
+    for the backend's Work or naming a timeout or a lost connection (gloo's kind). Every
+    other error (``TypeError`` of an object that cannot be pickled, the backend's
+    argument checks when the Work is created, ``NotImplementedError`` of an op the
+    backend lacks) is raised before anything was sent: the caller's to handle.
+    """
+    if isinstance(error, (TimeoutError, ConnectionError, *backend_errors)):
+        return True
+    if not isinstance(error, RuntimeError) or isinstance(error, NotImplementedError):
+        return False
+    return _raised_waiting(error) or bool(_TRANSPORT_WORDS.search(str(error)))
+
+
 _LOCK = threading.Lock()
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
-#: (progress, on_failure) while installed: for :func:`begin` / :func:`end`.
-_ACTIVE: list[tuple[Progress, OnFailure]] = []
+#: (backlog, on_failure, backend errors) while installed: for :func:`begin`,
+#: :func:`end` and :func:`poll`.
+_ACTIVE: list[tuple[device.Backlog, OnFailure, tuple[type, ...]]] = []
+#: ``install``'s default ``mark``: CUDA events when wrapping torch.distributed.
+_AUTO: Any = object()
 
 
-def _is_world(kwargs: dict[str, Any], args: tuple[Any, ...], name: str,
-              members: Any) -> bool:
-    """True when the call runs on the default group (``group=None`` or WORLD).
-
-    ``members`` is the module's ``GroupMember`` (None for a module without one); its
-    ``WORLD`` is read at each call, since ``init_process_group`` replaces it.
-    """
-    group = kwargs.get("group")
-    if group is None and name == "barrier" and args:
-        group = args[0]
-    return group is None or (members is not None and group is members.WORLD)
+#: Past any call's arguments: "this function takes no such parameter".
+_NOWHERE = 1 << 30
 
 
-def _complete(progress: Progress, seq: int) -> None:
+def _shape(fn: Callable[..., Any]) -> tuple[int, Any, int, str]:
+    """Where ``fn`` takes ``group`` and ``async_op`` by position, read once from its real
+    signature (through ``functools.wraps``' ``__wrapped__``): ``(group's index, group's
+    default, async_op's index, the first parameter's name)``, :data:`_NOWHERE` for a
+    parameter it lacks. So
+    ``all_reduce(t, op, group)`` and ``reduce(t, dst, op, group, True)`` are read as
+    torch reads them, at the cost of a dict lookup and a tuple index per call."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature: only keywords are seen
+        return _NOWHERE, None, _NOWHERE, ""
+    positional = [p.name for p in params if p.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    group = next((p for p in params if p.name == "group"), None)
+    default = None if group is None or group.default is inspect.Parameter.empty \
+        else group.default
+    return (positional.index("group") if "group" in positional else _NOWHERE, default,
+            positional.index("async_op") if "async_op" in positional else _NOWHERE,
+            positional[0] if positional else "")
+
+
+def _enter(backlog: device.Backlog, name: str, started: device.Done | None) -> int:
+    """Number the collective the host calls now; ``started``: see :meth:`Backlog.add`."""
     with _LOCK:
-        if seq > progress.completed:
-            progress.completed = seq
-            progress.since = time.time()
+        p = backlog.progress
+        p.queued += 1
+        seq = p.queued
+        if started is None and not backlog.items:  # nothing pending: entered now
+            p.entered, p.op, p.since = seq, name, time.time()
+        else:
+            backlog.add(seq, name, started, time.time())
+        return seq
 
 
-def _watch_future(progress: Progress, seq: int, name: str, work: Any,
+def _complete(backlog: device.Backlog, seq: int,
+              finished: device.Done | bool = True) -> None:
+    with _LOCK:
+        if backlog.items:
+            backlog.finish(seq, finished, time.time())
+        elif seq > backlog.progress.completed:
+            backlog.progress.completed = seq
+            backlog.progress.since = time.time()
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The first argument (a tensor, or the first of a list of them)."""
+    first = args[0] if args else kwargs.get(name)
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return first
+
+
+def _watch_future(backlog: device.Backlog, seq: int, name: str, work: Any,
                   on_failure: OnFailure) -> None:
     """Complete ``#seq`` when ``work``'s future does, or report its failure."""
     try:
         future = work.get_future()
     except Exception:  # noqa: BLE001 - a backend without futures: count it as done when issued
-        _complete(progress, seq)
+        _complete(backlog, seq)
         return
 
     def done(fut: Any) -> None:
@@ -110,55 +215,110 @@ def _watch_future(progress: Progress, seq: int, name: str, work: Any,
             threading.Thread(target=on_failure, args=(seq, name, e, False),
                              daemon=True).start()
             return
-        _complete(progress, seq)
+        _complete(backlog, seq)
 
     future.add_done_callback(done)
 
 
-def _wrap(name: str, fn: Callable[..., Any], progress: Progress,
-          on_failure: OnFailure, members: Any) -> Callable[..., Any]:
+def _is_compiling() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling`` (always False without it): dynamo evaluates it to
+    True while it traces, and the wrapper then hands over to torch's own function, which
+    dynamo knows how to trace (its lock and clock it does not: a graph break at every
+    collective, an error under ``fullgraph=True``)."""
+    try:
+        import torch.compiler
+
+        return torch.compiler.is_compiling
+    except (ImportError, AttributeError):
+        return lambda: False
+
+
+def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
+          on_failure: OnFailure, members: Any, backend_errors: tuple[type, ...],
+          mark: Callable[[Any], device.Done | None] | None) -> Callable[..., Any]:
+    group_at, group_default, async_at, first_name = _shape(fn)
+    compiling = _is_compiling()
+    on_device = mark is not None and name in DEVICE_COLLECTIVES
+    # closure locals: the common path (nothing pending on a GPU) is _enter and
+    # _complete inlined, with no global or attribute lookups it can avoid
+    progress, items, lock, clock = backlog.progress, backlog.items, _LOCK, time.time
+
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if not _is_world(kwargs, args, name, members):
+        if compiling():  # inside a graph being traced: not counted
             return fn(*args, **kwargs)
-        with _LOCK:
-            progress.entered += 1
-            seq = progress.entered
-            progress.op, progress.since = name, time.time()
+        group = kwargs["group"] if "group" in kwargs else \
+            args[group_at] if group_at < len(args) else group_default
+        # members.WORLD is read at each call: init_process_group replaces it
+        if group is not None and (members is None or group is not members.WORLD):
+            return fn(*args, **kwargs)
+        started = first = None
+        if on_device:
+            first = _first_tensor(args, kwargs, first_name)
+            if getattr(first, "is_cuda", False):
+                started = mark(first)  # type: ignore[misc]
+        with lock:
+            progress.queued = seq = progress.queued + 1
+            if started is None and not items:  # nothing pending: entered now
+                progress.entered, progress.op, progress.since = seq, name, clock()
+            else:
+                backlog.add(seq, name, started, clock())
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
+            if not is_job_failure(e, backend_errors):
+                _complete(backlog, seq)
+                raise
             instead = on_failure(seq, name, e, True)
             if instead is not None:
                 raise instead from e
             raise
-        if kwargs.get("async_op") and result is not None:
-            _watch_future(progress, seq, name, result, on_failure)
+        async_op = kwargs["async_op"] if "async_op" in kwargs else \
+            async_at < len(args) and args[async_at]
+        if started is not None:  # queued on the GPU: finished when the device says so
+            finished = (getattr(result, "is_completed", None) if async_op else None) \
+                or mark(first) or True  # type: ignore[misc]
+            with lock:
+                backlog.finish(seq, finished, clock())
+        elif async_op and result is not None:
+            _watch_future(backlog, seq, name, result, on_failure)
         else:
-            _complete(progress, seq)
+            with lock:
+                if items:
+                    backlog.finish(seq, True, clock())
+                elif seq > progress.completed:
+                    progress.completed, progress.since = seq, clock()
         return result
 
     tracked.__hpc_tracked__ = True  # type: ignore[attr-defined]
     return tracked
 
 
-def install(progress: Progress, on_failure: OnFailure,
-            module: Any | None = None) -> None:
+def install(progress: Progress, on_failure: OnFailure, module: Any | None = None,
+            mark: Callable[[Any], device.Done | None] | None = _AUTO) -> None:
     """Wrap the :data:`COLLECTIVES` of ``module`` (default ``torch.distributed``).
 
-    Idempotent: a second call re-targets the wrappers to the new ``progress``.
+    ``mark(tensor)`` returns "has the device reached this point?" for a CUDA tensor
+    (default: :func:`hpc.watchdog.device.cuda_marker` for ``torch.distributed``, none
+    for another module). Idempotent: a second call re-targets the wrappers to the new
+    ``progress``.
     """
+    if mark is _AUTO:
+        mark = device.cuda_marker() if module is None else None
     if module is None:
         import torch.distributed as module  # type: ignore[no-redef]
     uninstall(module)
     members = getattr(module, "GroupMember", None)  # looked up once, not per collective
+    backend_errors = tuple(e for e in [getattr(module, "DistError", None)] if e is not None)
+    backlog = device.Backlog(progress)
     for name in COLLECTIVES:
         fn = getattr(module, name, None)
         if fn is None:
             continue
         _ORIGINALS[name] = fn
-        setattr(module, name, _wrap(name, fn, progress, on_failure, members))
-    _ACTIVE[:] = [(progress, on_failure)]
+        setattr(module, name, _wrap(name, fn, backlog, on_failure, members, backend_errors,
+                                    mark))
+    _ACTIVE[:] = [(backlog, on_failure, backend_errors)]
 
 
 def uninstall(module: Any | None = None) -> None:
@@ -178,21 +338,28 @@ def begin(name: str) -> Optional[int]:
     wrapped collectives; finish it with :func:`end`."""
     if not _ACTIVE:
         return None
-    progress = _ACTIVE[0][0]
-    with _LOCK:
-        progress.entered += 1
-        progress.op, progress.since = name, time.time()
-        return progress.entered
+    return _enter(_ACTIVE[0][0], name, None)
 
 
 def end(seq: Optional[int], name: str, error: Optional[BaseException] = None
         ) -> Optional[BaseException]:
-    """Complete :func:`begin`'s ``seq``, or report its ``error`` (returns what to raise
-    instead, as the wrapped collectives do)."""
+    """Complete :func:`begin`'s ``seq``, or report its ``error`` when it is a job
+    failure (:func:`is_job_failure`; returns what to raise instead, as the wrapped
+    collectives do); any other error completes ``seq`` and is the caller's to raise."""
     if seq is None or not _ACTIVE:
         return None
-    progress, on_failure = _ACTIVE[0]
-    if error is not None:
+    backlog, on_failure, backend_errors = _ACTIVE[0]
+    if error is not None and is_job_failure(error, backend_errors):
         return on_failure(seq, name, error, True)
-    _complete(progress, seq)
+    _complete(backlog, seq)
     return None
+
+
+def poll() -> bool:
+    """Ask the device about the collectives queued on it (the watchdog thread calls
+    this before it publishes or reports); True when the progress moved."""
+    if not _ACTIVE:
+        return False
+    backlog = _ACTIVE[0][0]
+    with _LOCK:
+        return bool(backlog.items) and backlog.poll(time.time())

@@ -139,3 +139,80 @@ def test_srun_job_ends_and_names_the_rank(mode: str, job: str, tmp_path: Path) -
     assert proc.returncode != 0, out
     assert elapsed < PG_TIMEOUT + SLACK, f"{elapsed:.1f}s\n{out}"
     assert_named(out, 3, mode)
+
+
+# --- what is not a job failure ------------------------------------------------------------
+
+CAUGHT_LOCAL_ERROR = """
+import threading, time
+import torch, torch.distributed as dist
+import hpc
+from hpc.watchdog import monitor
+
+info = hpc.init_torch(timeout=10)
+out = [None] * info.world_size
+try:
+    dist.all_gather_object(out, {"lock": threading.Lock()})
+except TypeError as e:
+    print(f"rank {info.rank} caught TypeError: {e}", flush=True)
+for step in range(8):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.5)  # 4 s in all: longer than a failed job's EXIT_GRACE
+    print(f"rank {info.rank} step {step}", flush=True)
+p = monitor._CURRENT["dog"].progress
+print(f"rank {info.rank} entered {p.entered} completed {p.completed}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_caught_local_error_does_not_end_the_job(tmp_path: Path) -> None:
+    """Issue #25 item 2: ``all_gather_object`` of an unpicklable object raises TypeError
+    on every rank before anything is sent; the script catches it and trains on. The job
+    used to end at step 2 (every rank's watchdog read a published failure)."""
+    path = tmp_path / "caught.py"
+    path.write_text(CAUGHT_LOCAL_ERROR)
+    proc = hpc_run(2, [str(path)], timeout=80, env=clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank} caught TypeError: cannot pickle" in out, out
+        assert f"rank {rank} step 7" in out, out
+        assert f"rank {rank} entered 9 completed 9" in out, out
+    assert "CollectiveError" not in out, out
+
+
+SUBGROUP_THEN_SLEEP = """
+import os, time
+import torch, torch.distributed as dist
+import hpc
+
+info = hpc.init_torch(timeout=float(os.environ["PG_TIMEOUT"]))
+solo = dist.new_group([0])
+t = torch.ones(1)
+if info.rank == 0:
+    dist.all_reduce(t, dist.ReduceOp.SUM, solo)  # the group by position
+    dist.all_reduce(t, dist.ReduceOp.SUM, solo)
+    print("rank 0 sleeps", flush=True)
+    time.sleep(3600)  # SOLO-LINE
+dist.barrier()
+print("UNREACHABLE", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_subgroup_collectives_by_position_do_not_shift_the_numbers(tmp_path: Path) -> None:
+    """Issue #25 item 3: rank 0 runs two ``all_reduce(t, op, group)`` on a group of its
+    own, then sleeps in its own code; rank 1 waits in ``barrier()``. The report used to
+    say rank 1 "never entered all_reduce #2" and hpc run named rank 1."""
+    path = tmp_path / "solo.py"
+    path.write_text(SUBGROUP_THEN_SLEEP)
+    line = next(i for i, text in enumerate(SUBGROUP_THEN_SLEEP.splitlines(), 1)
+                if "SOLO-LINE" in text)
+    proc = hpc_run(2, [str(path)], timeout=80,
+                   env=clean_env(PG_TIMEOUT=str(PG_TIMEOUT)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert re.search(r"rank 0 \(\S+, pid \d+\) never entered barrier #1: it entered no "
+                     rf"collective; it is at solo.py:{line} in <module>", out), out
+    assert "hpc run: rank 0 (pid" in proc.stderr and "failed first" in proc.stderr, proc.stderr
+    assert "UNREACHABLE" not in out
