@@ -38,12 +38,50 @@ __all__ = ["client", "confirm_init", "mixed_backend_error", "preflight"]
 logger = logging.getLogger(__name__)
 
 
-def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> None:
-    """Wait until ``addr:port`` accepts TCP connections, or fail at ``deadline``.
+#: Seconds a node's local rank 0 waits for the master's network report, and at most
+#: probes one of the master's addresses (only where nothing shows it reachable).
+NET_WAIT = 3.0
+_NET_MASTER = "hpc/pf/net/master"
+
+
+def _connect_once(infos: list[Any], deadline: float) -> tuple[str | None, OSError | None]:
+    """One TCP connection attempt to each of ``infos`` (``getaddrinfo`` results): the
+    address that accepted it, or None and the last error."""
+    last: OSError | None = None
+    for family, stype, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, stype, proto) as s:
+                s.settimeout(max(0.05, min(1.0, deadline - time.monotonic())))
+                s.connect(sockaddr)
+                return str(sockaddr[0]), None
+        except OSError as e:
+            last = e
+    return None, last
+
+
+def reach(addr: str, port: int, deadline: float) -> str | None:
+    """Connect to ``addr:port`` (a numeric address) until it accepts or the
+    ``time.monotonic()`` deadline: None when it did, else the last error as text."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_NUMERICHOST)
+    except socket.gaierror as e:
+        return str(e)
+    while True:
+        reached, last = _connect_once(infos, deadline)
+        if reached is not None:
+            return None
+        if time.monotonic() >= deadline:
+            return str(last)
+        time.sleep(0.02)
+
+
+def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> str:
+    """Wait until ``addr:port`` accepts TCP connections, or fail at ``deadline``; the
+    address that accepted.
 
     ``start`` is when the pre-flight began (``time.monotonic()``), for the message.
     """
-    last: Exception | None = None
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -55,14 +93,9 @@ def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> No
             "reach>, e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)."
         ) from e
     while True:
-        for family, stype, proto, _, sockaddr in infos:
-            try:
-                with socket.socket(family, stype, proto) as s:
-                    s.settimeout(max(0.05, min(1.0, deadline - time.monotonic())))
-                    s.connect(sockaddr)
-                    return
-            except OSError as e:
-                last = e
+        reached, last = _connect_once(infos, deadline)
+        if reached is not None:
+            return reached
         if time.monotonic() >= deadline:
             raise RendezvousError(
                 f"rank {rank}: master {addr}:{port} is unreachable ({last}) after "
@@ -85,10 +118,11 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
 
     ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
     ``backend`` is the backend this rank picked; rank 0 refuses a mix (None: unchecked).
-    Each node's local rank 0 publishes its network (:mod:`hpc.bootstrap.network`;
-    ``pinned``: the interface variables :func:`~hpc.bootstrap.network.interface_env`
-    returned and init set), and rank 0 refuses a multi-node run whose network is broken, unless
-    ``HPC_NETWORK=off``.
+    Rank 0 and each other node's local rank 0 publish their network
+    (:mod:`hpc.bootstrap.network`; ``pinned``: the interface variables
+    :func:`~hpc.bootstrap.network.interface_env` returned and init set), the latter after
+    probing the master's addresses nothing shows reachable, and rank 0 refuses a
+    multi-node run whose network is known to break, unless ``HPC_NETWORK=off``.
     The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
     unique id through it, so what was left of the pre-flight window must not apply.
 
@@ -108,11 +142,11 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     start = time.monotonic()
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
-    store, answerer = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
+    store, answerer, reached = _open_store(info, addr, port, env, pg_timeout,
+                                           (start, deadline))
     checked = network.mode(env) != "off"
-    if checked and info.local_rank == 0:  # one report per node
-        slot = store.add("hpc/pf/net/n", 1)
-        store.set(f"hpc/pf/net/{slot}", json.dumps(network.local_report(os.environ, pinned)))
+    if checked:
+        _publish_network(store, info, pinned, reached, backend, deadline)
     _join(store, info, gpu, backend)
     if info.rank == 0:
         if answerer is not None:  # until every rank learnt the attempt and joined it
@@ -128,29 +162,30 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
 
 def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
                 pg_timeout: timedelta, window: tuple[float, float]
-                ) -> tuple[Any, attempt.Answerer | None]:
+                ) -> tuple[Any, attempt.Answerer | None, str | None]:
     """Rank 0's TCPStore: served by rank 0, or by the torchrun agent; the others join.
 
     ``window`` is the pre-flight's ``(start, deadline)`` in ``time.monotonic()`` time.
     Under torchrun the store is scoped to the attempt all ranks agreed on; rank 0 also
     gets the :class:`~hpc.bootstrap.attempt.Answerer` that tells the others (else None).
+    Last, the address the master's port answered at (None on rank 0 serving it).
     """
     import torch.distributed as dist
 
     start, deadline = window
     if _agent_store(env):
-        _probe(addr, port, info.rank, start, deadline)
+        reached = _probe(addr, port, info.rank, start, deadline)
         store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
         answerer = attempt.take(store, info) if info.rank == 0 else None
         agreed = answerer.attempt if answerer else attempt.ask(store, info, deadline)
         attempt.remember(info, agreed)
         logger.debug("torchrun attempt %d (local restart count %s)", agreed,
                      env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        return dist.PrefixStore(attempt.prefix(agreed), store), answerer
+        return dist.PrefixStore(attempt.prefix(agreed), store), answerer, reached
     if info.rank == 0:
         try:
             return dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
-                                 wait_for_workers=False), None
+                                 wait_for_workers=False), None, None
         except Exception as e:  # DistNetworkError: bind failed
             raise RendezvousError(
                 f"rank 0: cannot listen on {addr}:{port}: {e}.\n"
@@ -158,9 +193,45 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
                 "HINT: export MASTER_PORT=<a free port> (the derived port is documented "
                 "under 'Master port' in the launching guide)."
             ) from e
-    _probe(addr, port, info.rank, start, deadline)
+    reached = _probe(addr, port, info.rank, start, deadline)
     return dist.TCPStore(addr, port, None, False,
-                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()))), None
+                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()))
+                         ), None, reached
+
+
+def _publish_network(store: Any, info: DistInfo, pinned: Mapping[str, str] | None,
+                     reached: str | None, backend: str | None, deadline: float) -> None:
+    """Rank 0 publishes the master's :func:`~hpc.bootstrap.network.local_report`; the
+    local rank 0 of every other node probes the master's addresses that nothing shows
+    reachable (:func:`~hpc.bootstrap.network.probe_targets`) and publishes its own report
+    with the outcome, for rank 0's :func:`~hpc.bootstrap.network.check`."""
+    if info.rank == 0:
+        store.set(_NET_MASTER, json.dumps(network.local_report(os.environ, pinned)))
+        return
+    if info.local_rank != 0:  # one report per node
+        return
+    report = network.local_report(os.environ, pinned)
+    until = min(deadline, time.monotonic() + NET_WAIT)
+    try:  # rank 0 sets it as soon as its store exists
+        store.wait([_NET_MASTER], timedelta(seconds=max(0.01, until - time.monotonic())))
+        master = json.loads(store.get(_NET_MASTER).decode())
+    except Exception as e:  # noqa: BLE001 - rank 0 runs HPC_NETWORK=off, or is late
+        logger.debug("no network report of the master (%s): nothing probed", e)
+        master = None
+    if master is not None:
+        probes, errors = network.probe_targets(report, master, reached, backend), {}
+        for p in probes:
+            if p["addr"] not in errors:
+                errors[p["addr"]] = reach(p["addr"], info.master_port or 0,
+                                          min(deadline, time.monotonic() + NET_WAIT))
+            p.update(port=info.master_port, reached=reached, error=errors[p["addr"]])
+            if p["error"] is None:
+                logger.info("network: probed the master's %s address %s (%s on %s): it "
+                            "answers", p["for"], p["addr"], p["iface"] or "its hostname",
+                            master["host"])
+        report["probes"] = probes
+    slot = store.add("hpc/pf/net/n", 1)
+    store.set(f"hpc/pf/net/{slot}", json.dumps(report))
 
 
 def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
@@ -234,8 +305,11 @@ def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
     shared = gpubind.find_shared(store)
     if shared is None and checked:
         nodes = int(store.add("hpc/pf/net/n", 0))
-        shared = network.check([json.loads(store.get(f"hpc/pf/net/{i}").decode())
-                                for i in range(1, nodes + 1)], backend)
+        reports = [json.loads(store.get(key).decode()) for key in
+                   [_NET_MASTER, *(f"hpc/pf/net/{i}" for i in range(1, nodes + 1))]]
+        shared = network.check(reports, backend)
+        if shared is None and (line := network.note(reports)):
+            logger.info("%s", line)
     if shared is not None:
         _abort(store, "abort-launch:" + str(shared), info.world_size - 1)
         raise shared
