@@ -61,6 +61,41 @@ def test_interface_env_print_mode_prints_on_local_rank_0_and_returns_nothing(
     assert network.interface_env("10.200.0.11", env, 0, "off", addrs=NODE2) == {}
 
 
+def test_nccl_keeps_its_own_choice_when_an_ib_interface_is_up() -> None:
+    """The master on eth0's subnet (the management NIC) must not pin NCCL to eth0 when
+    ib0 is up: NCCL takes ib* by itself, and over its socket transport (IPoIB, no RDMA
+    in a container) every inter-node byte would move to the slow NIC. Gloo, which
+    binds to the host name otherwise, is still pinned to the interface of the master."""
+    addrs = [("eth0", "10.1.0.12", 16), ("ib0", "10.2.0.12", 16)]
+    assert network.interface_env("10.1.0.11", {}, addrs=addrs) == {
+        "GLOO_SOCKET_IFNAME": "eth0"}
+    assert network.interface_env("10.1.0.11", {"GLOO_SOCKET_IFNAME": "eth0"},
+                                 addrs=addrs) == {}
+    # the master on ib0's subnet: both pinned to ib0, what NCCL would take anyway
+    assert network.interface_env("10.2.0.11", {}, addrs=addrs) == {
+        "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+
+
+def test_nccl_is_not_pinned_to_a_slower_link_than_another_interface() -> None:
+    """RoCE NICs have Ethernet names; /sys/class/net/*/speed tells them from the 1 Gb/s
+    management port. Unknown or equal speeds (veths, the test cluster) pin as before."""
+    addrs = [("eno1", "10.1.0.12", 16), ("ens1f0np0", "10.3.0.12", 16)]
+    fast = {"eno1": 1000, "ens1f0np0": 100000}
+    assert network.interface_env("10.1.0.11", {}, addrs=addrs, speeds=fast) == {
+        "GLOO_SOCKET_IFNAME": "eno1"}
+    for speeds in ({}, {"eno1": 10000, "ens1f0np0": 10000}, {"ens1f0np0": 100000}):
+        assert network.interface_env("10.1.0.11", {}, addrs=addrs, speeds=speeds) == {
+            "GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "eno1"}, speeds
+
+
+def test_print_mode_says_that_nccl_keeps_its_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    addrs = [("eth0", "10.1.0.12", 16), ("ib0", "10.2.0.12", 16)]
+    assert network.interface_env("10.1.0.11", {}, 0, "print", addrs=addrs) == {}
+    err = capsys.readouterr().err
+    assert "to pin it: export GLOO_SOCKET_IFNAME=eth0" in err, err
+    assert "NCCL_SOCKET_IFNAME=eth0" not in err and "ib0" in err, err
+
+
 def test_mode_refuses_unknown_values() -> None:
     assert network.mode({}) == "set"
     with pytest.raises(LaunchEnvironmentError, match="HPC_NETWORK='auto' is not one of"):
