@@ -26,8 +26,9 @@ are not checked.
 The pre-flight (:mod:`hpc.bootstrap.preflight`) publishes what :func:`local_report`
 sees on each node to the store, and rank 0 runs :func:`check` on every node's report.
 Before that, :func:`interface_env` returns ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
-when they are unset and exactly one interface of this node is on the master's subnet;
-:func:`hpc.init_torch` exports them (:mod:`hpc.bootstrap.distributed` writes the
+when they are unset and exactly one interface of this node is on the master's subnet
+(NCCL's only where no ``ib*`` interface or faster link is up: NCCL's own choice is
+better there); :func:`hpc.init_torch` exports them (:mod:`hpc.bootstrap.distributed` writes the
 environment) before the pre-flight and ``init_process_group``.
 
 ``HPC_NETWORK`` chooses: ``set`` (default) sets the variables, ``print`` only prints
@@ -53,7 +54,8 @@ from hpc.bootstrap.backend import parse_backend
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["IFNAME_VARS", "MODES", "Address", "addresses", "advertised", "check", "choose",
-           "interface_env", "local_report", "mode", "nccl_address", "note", "probe_targets"]
+           "interface_env", "link_speeds", "local_report", "mode", "nccl_address",
+           "nccl_keeps_its_choice", "note", "probe_targets"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +129,52 @@ def choose(addrs: Sequence[Address], master_ip: str | None) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
+def link_speeds(names: Sequence[str]) -> dict[str, int]:
+    """Link speed (Mb/s) of each interface in ``names`` that reports one
+    (``/sys/class/net/<name>/speed``, Linux); virtual or down links are left out."""
+    speeds = {}
+    for name in names:
+        try:
+            with open(f"/sys/class/net/{name}/speed", encoding="ascii") as fh:
+                value = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if value > 0:
+            speeds[name] = value
+    return speeds
+
+
+def nccl_keeps_its_choice(name: str, addrs: Sequence[Address],
+                          speeds: Mapping[str, int]) -> str | None:
+    """Why ``NCCL_SOCKET_IFNAME`` must not be pinned to ``name`` (pure), or None.
+
+    NCCL takes ``ib*`` interfaces first by itself (IPoIB); pinning it to another
+    interface because that one is on the master's subnet moves its socket traffic
+    (containers without RDMA, IPoIB) to the management NIC. The same holds for an
+    interface whose link (``speeds``, Mb/s) is faster than ``name``'s.
+    """
+    if name.startswith("ib"):
+        return None
+    ib = next((n for n, _, _ in addrs if n.startswith("ib")), None)
+    if ib is not None:
+        return f"{ib} is up and NCCL takes ib* interfaces first"
+    mine = speeds.get(name, 0)
+    faster = max(((speeds.get(n, 0), n) for n, _, _ in addrs if n != name), default=(0, ""))
+    if mine > 0 and faster[0] > mine:
+        return (f"{faster[1]} links at {faster[0]} Mb/s, {name} at {mine} Mb/s; export "
+                f"NCCL_SOCKET_IFNAME={faster[1]} if the nodes reach each other over it")
+    return None
+
+
 def interface_env(master_addr: str | None, environ: Mapping[str, str],
                   local_rank: int = 0, how: str = "set",
-                  addrs: Sequence[Address] | None = None) -> dict[str, str]:
+                  addrs: Sequence[Address] | None = None,
+                  speeds: Mapping[str, int] | None = None) -> dict[str, str]:
     """The unset :data:`IFNAME_VARS` of ``environ``, each naming the one interface that
     reaches the master: what the caller exports (``environ`` is left alone).
+
+    ``NCCL_SOCKET_IFNAME`` stays unset where NCCL's own choice is better
+    (:func:`nccl_keeps_its_choice`: an ``ib*`` interface, or a faster link, is up).
 
     Args:
         master_addr: The master's host name or address.
@@ -140,6 +183,8 @@ def interface_env(master_addr: str | None, environ: Mapping[str, str],
         how: :func:`mode`'s value: under ``print`` nothing is returned and local rank 0
             prints the ``export`` line instead; under ``off`` nothing happens.
         addrs: This host's addresses (default :func:`addresses`).
+        speeds: Link speeds in Mb/s (default :func:`link_speeds` of this host when
+            ``addrs`` is the default too, else none known).
 
     Returns:
         Variable -> interface; empty when none or several interfaces reach the master.
@@ -148,18 +193,27 @@ def interface_env(master_addr: str | None, environ: Mapping[str, str],
     if how == "off" or not unset:
         return {}
     master_ip = _resolve(master_addr)
-    name = choose(addresses() if addrs is None else addrs, master_ip)
+    if addrs is None:
+        addrs = addresses()
+        speeds = link_speeds([n for n, _, _ in addrs]) if speeds is None else speeds
+    name = choose(addrs, master_ip)
     if name is None:
         return {}
     pins = dict.fromkeys(unset, name)
+    kept = (nccl_keeps_its_choice(name, addrs, speeds or {})
+            if "NCCL_SOCKET_IFNAME" in pins else None)
+    if kept:
+        del pins["NCCL_SOCKET_IFNAME"]
     line = " ".join(f"{k}={v}" for k, v in pins.items())
+    todo = f"to pin it: export {line}" if pins else "nothing to pin"
+    note = f" (NCCL_SOCKET_IFNAME left to NCCL: {kept})" if kept else ""
     if how == "print":
         if local_rank == 0:
             print(f"hpc: the master {master_addr} ({master_ip}) is reachable over {name} "
-                  f"only; to pin it: export {line}", file=sys.stderr, flush=True)
+                  f"only; {todo}{note}", file=sys.stderr, flush=True)
         return {}
-    logger.info("network: master %s (%s) is reachable over %s only: set %s",
-                master_addr, master_ip, name, line)
+    logger.info("network: master %s (%s) is reachable over %s only: %s%s", master_addr,
+                master_ip, name, f"set {line}" if pins else "nothing to set", note)
     return pins
 
 
