@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from hpc.bootstrap import attempt, gpubind, network
+from hpc.bootstrap.phases import phase
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
 
@@ -142,19 +143,26 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     start = time.monotonic()
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
-    store, answerer, reached = _open_store(info, addr, port, env, pg_timeout,
-                                           (start, deadline))
+    with phase("preflight.store"):
+        store, answerer, reached = _open_store(info, addr, port, env, pg_timeout,
+                                               (start, deadline))
     checked = network.mode(env) != "off"
     if checked:
-        _publish_network(store, info, pinned, reached, backend, deadline)
-    _join(store, info, gpu, backend)
+        with phase("preflight.network"):
+            _publish_network(store, info, pinned, reached, backend, deadline)
+    with phase("preflight.join"):
+        _join(store, info, gpu, backend)
+    with phase("preflight.wait"):  # for the others (rank 0), or for rank 0's verdict
+        if info.rank == 0:
+            if answerer is not None:  # until every rank learnt the attempt and joined it
+                keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
+                answerer.until(lambda: bool(store.check(keys)), deadline)
+            _master_wait(store, info, addr, port, deadline, start)
+        else:
+            _worker_wait(store, info, addr, port, deadline + 10.0)
     if info.rank == 0:
-        if answerer is not None:  # until every rank learnt the attempt and joined it
-            keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
-            answerer.until(lambda: bool(store.check(keys)), deadline)
-        _master_wait(store, info, addr, port, deadline, start, backend, checked)
-    else:
-        _worker_wait(store, info, addr, port, deadline + 10.0)
+        with phase("preflight.checks"):
+            _verdict(store, info, backend, checked)
     store.set_timeout(pg_timeout)  # torch resets it only for stores it makes itself
     logger.debug("pre-flight done in %.3fs", time.monotonic() - start)
     return store
@@ -279,8 +287,8 @@ def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
 
 
 def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
-                 deadline: float, start: float, backend: str | None = None,
-                 checked: bool = False) -> None:
+                 deadline: float, start: float) -> None:
+    """Rank 0: wait until every rank joined; at the deadline abort, naming the missing."""
     keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=max(0.01, deadline - time.monotonic())))
@@ -298,6 +306,11 @@ def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
         )
         _abort(store, "abort:" + msg, info.world_size - 1 - len(missing))
         raise RendezvousError(msg) from e
+
+
+def _verdict(store: Any, info: DistInfo, backend: str | None, checked: bool) -> None:
+    """Rank 0 once all joined: refuse mixed backends, a GPU claimed twice and (when
+    ``checked``) a network known to break, on every rank; else let them go."""
     mixed = _mixed_backends(store, info, backend)
     if mixed is not None:
         _abort(store, "abort-launch:" + str(mixed), info.world_size - 1)
