@@ -281,9 +281,11 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
                 gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
         from hpc.bootstrap import network
 
-        with phases.phase("network"):
-            pinned = network.interface_env(info.master_addr, os.environ, info.local_rank,
-                                           network.mode(env))
+        how, pinned = network.mode(env), {}  # an unknown HPC_NETWORK: refused anywhere
+        if info.local_world_size < info.world_size:  # on one node nothing crosses one
+            with phases.phase("network"):
+                pinned = network.interface_env(info.master_addr, os.environ,
+                                               info.local_rank, how)
         _export(pinned)  # before the pre-flight reports them and gloo/NCCL read them
         store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
                                     backend=backend, pinned=pinned)

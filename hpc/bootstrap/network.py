@@ -193,15 +193,17 @@ def interface_env(master_addr: str | None, environ: Mapping[str, str],
     if how == "off" or not unset:
         return {}
     master_ip = _resolve(master_addr)
-    if addrs is None:
-        addrs = addresses()
-        speeds = link_speeds([n for n, _, _ in addrs]) if speeds is None else speeds
+    live = addrs is None
+    addrs = addresses() if addrs is None else addrs
     name = choose(addrs, master_ip)
     if name is None:
         return {}
     pins = dict.fromkeys(unset, name)
-    kept = (nccl_keeps_its_choice(name, addrs, speeds or {})
-            if "NCCL_SOCKET_IFNAME" in pins else None)
+    kept = None
+    if "NCCL_SOCKET_IFNAME" in pins:
+        if speeds is None:
+            speeds = link_speeds([n for n, _, _ in addrs]) if live else {}
+        kept = nccl_keeps_its_choice(name, addrs, speeds)
     if kept:
         del pins["NCCL_SOCKET_IFNAME"]
     line = " ".join(f"{k}={v}" for k, v in pins.items())

@@ -128,7 +128,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     (:mod:`hpc.bootstrap.network`; ``pinned``: the interface variables
     :func:`~hpc.bootstrap.network.interface_env` returned and init set), the latter after
     probing the master's addresses nothing shows reachable, and rank 0 refuses a
-    multi-node run whose network is known to break, unless ``HPC_NETWORK=off``.
+    multi-node run whose network is known to break, unless ``HPC_NETWORK=off``; with
+    every rank on one node (``local_world_size == world_size``) nothing is published.
     The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
     unique id through it, so what was left of the pre-flight window must not apply.
 
@@ -151,7 +152,8 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     with phase("preflight.store"):
         store, answerer, reached = _open_store(info, addr, port, env, pg_timeout,
                                                (start, deadline))
-    checked = network.mode(env) != "off"
+    # on one node the network is never refused: no reports to publish or read
+    checked = network.mode(env) != "off" and info.local_world_size < info.world_size
     if checked:
         with phase("preflight.network"):
             _publish_network(store, info, pinned, reached, backend, deadline)

@@ -137,3 +137,11 @@ def test_a_failed_probe_stops_every_rank(monkeypatch: pytest.MonkeyPatch) -> Non
         assert "node2 cannot reach the master's gloo address 10.1.0.11" in str(e), e
         assert "Connection refused" in str(e)
     assert "rank 1: rank 0 aborted start-up" in str(results[1])
+
+
+def test_on_one_node_no_network_report_is_published() -> None:
+    """Every rank on this node: nothing crosses a network, nothing to check or probe."""
+    stores = _run_ranks(["gloo", "gloo"], 20.0, timedelta(minutes=1))
+    assert not any(isinstance(s, Exception) for s in stores), stores
+    assert not stores[0].check(["hpc/pf/net/master"])
+    assert int(stores[0].add("hpc/pf/net/n", 0)) == 0
