@@ -27,12 +27,16 @@ import socket
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpc.bootstrap import attempt, gpubind, network
+from hpc.bootstrap import network
+from hpc.bootstrap.backend import parse_backend
 from hpc.bootstrap.phases import phase
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
+
+if TYPE_CHECKING:  # attempt (torchrun) and gpubind (nccl) are imported where they apply
+    from hpc.bootstrap import attempt, gpubind
 
 __all__ = ["client", "confirm_init", "mixed_backend_error", "preflight"]
 
@@ -189,6 +193,8 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
 
     start, deadline = window
     if _agent_store(env):
+        from hpc.bootstrap import attempt
+
         reached = _probe(addr, port, info.rank, start, deadline)
         store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
         answerer = attempt.take(store, info) if info.rank == 0 else None
@@ -260,9 +266,12 @@ def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
 
     store = dist.TCPStore(info.master_addr, info.master_port, None, False,
                           timeout=timedelta(seconds=timeout))
-    agreed = attempt.remembered(info) if _agent_store(environ) else None
-    if agreed is not None:
-        return dist.PrefixStore(attempt.prefix(agreed), store)
+    if _agent_store(environ):
+        from hpc.bootstrap import attempt
+
+        agreed = attempt.remembered(info)
+        if agreed is not None:
+            return dist.PrefixStore(attempt.prefix(agreed), store)
     return store
 
 
@@ -284,6 +293,8 @@ def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
             "MASTER_PORTs."
         )
     if gpu is not None:
+        from hpc.bootstrap import gpubind
+
         gpubind.publish(store, gpu)  # before joining: rank 0 then sees every claim
     me = {"host": socket.gethostname(), "pid": os.getpid(), "local_rank": info.local_rank,
           "world_size": info.world_size, "backend": backend,
@@ -322,7 +333,11 @@ def _verdict(store: Any, info: DistInfo, backend: str | None, checked: bool) -> 
     if mixed is not None:
         _abort(store, "abort-launch:" + str(mixed), info.world_size - 1)
         raise mixed
-    shared = gpubind.find_shared(store)
+    shared = None
+    if backend is None or "nccl" in parse_backend(backend).values():  # GPUs claimed
+        from hpc.bootstrap import gpubind
+
+        shared = gpubind.find_shared(store)
     if shared is None and checked:
         nodes = int(store.add("hpc/pf/net/n", 0))
         reports = [json.loads(store.get(key).decode()) for key in
