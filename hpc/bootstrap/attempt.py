@@ -76,8 +76,12 @@ class Answerer:
             self.store.multi_set(keys, [str(self.attempt)] * len(keys))
             self.answered = asked
 
-    def until(self, done: Callable[[], bool], deadline: float, poll: float = 0.02) -> None:
-        """Answer until ``done()`` or the ``time.monotonic()`` deadline."""
+    def until(self, done: Callable[[], bool], deadline: float, poll: float = 0.005) -> None:
+        """Answer until ``done()`` or the ``time.monotonic()`` deadline.
+
+        ``poll`` bounds how late the last question is answered, and how late rank 0
+        notices that all joined; one look costs two store round trips.
+        """
         while True:
             self.answer()
             if done() or time.monotonic() >= deadline:

@@ -35,7 +35,7 @@ from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from hpc.bootstrap import threads
+from hpc.bootstrap import phases, threads
 from hpc.environments import DistInfo, detect
 from hpc.errors import LaunchEnvironmentError
 
@@ -214,22 +214,28 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
         return _STATE["info"]
     import torch.distributed as dist
 
+    phases.reset()
     env = os.environ if environ is None else environ
-    info = _resolve(env)
-    count, wanted = threads.plan(info, env)
-    _export(wanted)  # OMP_NUM_THREADS, for child processes: before torch's own count
-    threads.set_torch_threads(count)
+    with phases.phase("detect"):
+        info = _resolve(env)
+    with phases.phase("threads"):
+        count, wanted = threads.plan(info, env)
+        _export(wanted)  # OMP_NUM_THREADS, for child processes: before torch's own count
+        threads.set_torch_threads(count)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if connect_timeout is None:
         connect_timeout = float(env.get("HPC_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
-    backend, dev = _pick_device(info, backend)
+    with phases.phase("device"):
+        backend, dev = _pick_device(info, backend)
     if seed is not None:
-        seed_everything(seed)
+        with phases.phase("seed"):
+            seed_everything(seed)
     if not dist.is_initialized():
         _init_process_group(info, backend, dev, timeout, connect_timeout, env)
     _STATE.update(info=info, device=dev)
-    _register_exit(info.rank, env)
+    with phases.phase("exit hooks"):
+        _register_exit(info.rank, env)
     logger.info("initialised %s, backend %s, device %s", info.describe(), backend, dev)
     return info
 
@@ -271,26 +277,33 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
         if nccl and env.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             from hpc.bootstrap import gpubind
 
-            gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
+            with phases.phase("gpu claim"):
+                gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
         from hpc.bootstrap import network
 
-        pinned = network.interface_env(info.master_addr, os.environ, info.local_rank,
-                                       network.mode(env))
+        how, pinned = network.mode(env), {}  # an unknown HPC_NETWORK: refused anywhere
+        if info.local_world_size < info.world_size:  # on one node nothing crosses one
+            with phases.phase("network"):
+                pinned = network.interface_env(info.master_addr, os.environ,
+                                               info.local_rank, how)
         _export(pinned)  # before the pre-flight reports them and gloo/NCCL read them
         store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
                                     backend=backend, pinned=pinned)
     kwargs: dict[str, Any] = {}
     if nccl and device_id_supported(torch.__version__):
         kwargs["device_id"] = dev  # eager NCCL init; see hpc.bootstrap.backend
-    dist.init_process_group(backend, store=dist.PrefixStore("hpc/pg", store),
-                            rank=info.rank, world_size=info.world_size, timeout=timeout,
-                            **kwargs)
+    with phases.phase("init_process_group"):
+        dist.init_process_group(backend, store=dist.PrefixStore("hpc/pg", store),
+                                rank=info.rank, world_size=info.world_size,
+                                timeout=timeout, **kwargs)
     if info.world_size > 1:
-        preflight.confirm_init(store, info, connect_timeout)
+        with phases.phase("confirm_init"):
+            preflight.confirm_init(store, info, connect_timeout)
         from hpc.watchdog import monitor as watchdog
 
-        watchdog.start(info, lambda t: preflight.client(info, env, t),
-                       timeout.total_seconds(), env)
+        with phases.phase("watchdog"):
+            watchdog.start(info, lambda t: preflight.client(info, env, t),
+                           timeout.total_seconds(), env)
 
 
 def _register_exit(rank: int, env: Mapping[str, str]) -> None:

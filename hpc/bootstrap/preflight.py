@@ -27,23 +27,71 @@ import socket
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpc.bootstrap import attempt, gpubind, network
+from hpc.bootstrap import network
+from hpc.bootstrap.backend import parse_backend
+from hpc.bootstrap.phases import phase
 from hpc.environments import DistInfo
 from hpc.errors import LaunchEnvironmentError, RendezvousError
+
+if TYPE_CHECKING:  # attempt (torchrun) and gpubind (nccl) are imported where they apply
+    from hpc.bootstrap import attempt, gpubind
 
 __all__ = ["client", "confirm_init", "mixed_backend_error", "preflight"]
 
 logger = logging.getLogger(__name__)
 
 
-def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> None:
-    """Wait until ``addr:port`` accepts TCP connections, or fail at ``deadline``.
+#: Seconds between two connection attempts to a port that does not accept yet. A rank
+#: that is ready before rank 0 learns of rank 0's store half of this late on average (at
+#: 20 ms that was most of the start-up when rank 0 came last); a refused local connect
+#: costs some 50 us.
+PROBE_POLL = 0.005
+#: Seconds a node's local rank 0 waits for the master's network report, and at most
+#: probes one of the master's addresses (only where nothing shows it reachable).
+NET_WAIT = 3.0
+_NET_MASTER = "hpc/pf/net/master"
+
+
+def _connect_once(infos: list[Any], deadline: float) -> tuple[str | None, OSError | None]:
+    """One TCP connection attempt to each of ``infos`` (``getaddrinfo`` results): the
+    address that accepted it, or None and the last error."""
+    last: OSError | None = None
+    for family, stype, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, stype, proto) as s:
+                s.settimeout(max(0.05, min(1.0, deadline - time.monotonic())))
+                s.connect(sockaddr)
+                return str(sockaddr[0]), None
+        except OSError as e:
+            last = e
+    return None, last
+
+
+def reach(addr: str, port: int, deadline: float) -> str | None:
+    """Connect to ``addr:port`` (a numeric address) until it accepts or the
+    ``time.monotonic()`` deadline: None when it did, else the last error as text."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_NUMERICHOST)
+    except socket.gaierror as e:
+        return str(e)
+    while True:
+        reached, last = _connect_once(infos, deadline)
+        if reached is not None:
+            return None
+        if time.monotonic() >= deadline:
+            return str(last)
+        time.sleep(PROBE_POLL)
+
+
+def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> str:
+    """Wait until ``addr:port`` accepts TCP connections, or fail at ``deadline``; the
+    address that accepted.
 
     ``start`` is when the pre-flight began (``time.monotonic()``), for the message.
     """
-    last: Exception | None = None
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -55,14 +103,9 @@ def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> No
             "reach>, e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)."
         ) from e
     while True:
-        for family, stype, proto, _, sockaddr in infos:
-            try:
-                with socket.socket(family, stype, proto) as s:
-                    s.settimeout(max(0.05, min(1.0, deadline - time.monotonic())))
-                    s.connect(sockaddr)
-                    return
-            except OSError as e:
-                last = e
+        reached, last = _connect_once(infos, deadline)
+        if reached is not None:
+            return reached
         if time.monotonic() >= deadline:
             raise RendezvousError(
                 f"rank {rank}: master {addr}:{port} is unreachable ({last}) after "
@@ -73,7 +116,7 @@ def _probe(addr: str, port: int, rank: int, start: float, deadline: float) -> No
                 "HINT: check rank 0's log first; make sure MASTER_ADDR/MASTER_PORT are the "
                 "same on every rank and reachable (HPC_CONNECT_TIMEOUT sets this wait)."
             ) from last
-        time.sleep(0.02)
+        time.sleep(PROBE_POLL)
 
 
 def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
@@ -85,10 +128,12 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
 
     ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
     ``backend`` is the backend this rank picked; rank 0 refuses a mix (None: unchecked).
-    Each node's local rank 0 publishes its network (:mod:`hpc.bootstrap.network`;
-    ``pinned``: the interface variables :func:`~hpc.bootstrap.network.interface_env`
-    returned and init set), and rank 0 refuses a multi-node run whose network is broken, unless
-    ``HPC_NETWORK=off``.
+    Rank 0 and each other node's local rank 0 publish their network
+    (:mod:`hpc.bootstrap.network`; ``pinned``: the interface variables
+    :func:`~hpc.bootstrap.network.interface_env` returned and init set), the latter after
+    probing the master's addresses nothing shows reachable, and rank 0 refuses a
+    multi-node run whose network is known to break, unless ``HPC_NETWORK=off``; with
+    every rank on one node (``local_world_size == world_size``) nothing is published.
     The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
     unique id through it, so what was left of the pre-flight window must not apply.
 
@@ -108,19 +153,27 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     start = time.monotonic()
     deadline = start + connect_timeout
     env = os.environ if environ is None else environ
-    store, answerer = _open_store(info, addr, port, env, pg_timeout, (start, deadline))
-    checked = network.mode(env) != "off"
-    if checked and info.local_rank == 0:  # one report per node
-        slot = store.add("hpc/pf/net/n", 1)
-        store.set(f"hpc/pf/net/{slot}", json.dumps(network.local_report(os.environ, pinned)))
-    _join(store, info, gpu, backend)
+    with phase("preflight.store"):
+        store, answerer, reached = _open_store(info, addr, port, env, pg_timeout,
+                                               (start, deadline))
+    # on one node the network is never refused: no reports to publish or read
+    checked = network.mode(env) != "off" and info.local_world_size < info.world_size
+    if checked:
+        with phase("preflight.network"):
+            _publish_network(store, info, pinned, reached, backend, deadline)
+    with phase("preflight.join"):
+        _join(store, info, gpu, backend)
+    with phase("preflight.wait"):  # for the others (rank 0), or for rank 0's verdict
+        if info.rank == 0:
+            if answerer is not None:  # until every rank learnt the attempt and joined it
+                keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
+                answerer.until(lambda: bool(store.check(keys)), deadline)
+            _master_wait(store, info, addr, port, deadline, start)
+        else:
+            _worker_wait(store, info, addr, port, deadline + 10.0)
     if info.rank == 0:
-        if answerer is not None:  # until every rank learnt the attempt and joined it
-            keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
-            answerer.until(lambda: bool(store.check(keys)), deadline)
-        _master_wait(store, info, addr, port, deadline, start, backend, checked)
-    else:
-        _worker_wait(store, info, addr, port, deadline + 10.0)
+        with phase("preflight.checks"):
+            _verdict(store, info, backend, checked)
     store.set_timeout(pg_timeout)  # torch resets it only for stores it makes itself
     logger.debug("pre-flight done in %.3fs", time.monotonic() - start)
     return store
@@ -128,29 +181,32 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
 
 def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
                 pg_timeout: timedelta, window: tuple[float, float]
-                ) -> tuple[Any, attempt.Answerer | None]:
+                ) -> tuple[Any, attempt.Answerer | None, str | None]:
     """Rank 0's TCPStore: served by rank 0, or by the torchrun agent; the others join.
 
     ``window`` is the pre-flight's ``(start, deadline)`` in ``time.monotonic()`` time.
     Under torchrun the store is scoped to the attempt all ranks agreed on; rank 0 also
     gets the :class:`~hpc.bootstrap.attempt.Answerer` that tells the others (else None).
+    Last, the address the master's port answered at (None on rank 0 serving it).
     """
     import torch.distributed as dist
 
     start, deadline = window
     if _agent_store(env):
-        _probe(addr, port, info.rank, start, deadline)
+        from hpc.bootstrap import attempt
+
+        reached = _probe(addr, port, info.rank, start, deadline)
         store = dist.TCPStore(addr, port, None, False, timeout=pg_timeout)
         answerer = attempt.take(store, info) if info.rank == 0 else None
         agreed = answerer.attempt if answerer else attempt.ask(store, info, deadline)
         attempt.remember(info, agreed)
         logger.debug("torchrun attempt %d (local restart count %s)", agreed,
                      env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        return dist.PrefixStore(attempt.prefix(agreed), store), answerer
+        return dist.PrefixStore(attempt.prefix(agreed), store), answerer, reached
     if info.rank == 0:
         try:
             return dist.TCPStore(addr, port, None, True, timeout=pg_timeout,
-                                 wait_for_workers=False), None
+                                 wait_for_workers=False), None, None
         except Exception as e:  # DistNetworkError: bind failed
             raise RendezvousError(
                 f"rank 0: cannot listen on {addr}:{port}: {e}.\n"
@@ -158,9 +214,45 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
                 "HINT: export MASTER_PORT=<a free port> (the derived port is documented "
                 "under 'Master port' in the launching guide)."
             ) from e
-    _probe(addr, port, info.rank, start, deadline)
+    reached = _probe(addr, port, info.rank, start, deadline)
     return dist.TCPStore(addr, port, None, False,
-                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()))), None
+                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()))
+                         ), None, reached
+
+
+def _publish_network(store: Any, info: DistInfo, pinned: Mapping[str, str] | None,
+                     reached: str | None, backend: str | None, deadline: float) -> None:
+    """Rank 0 publishes the master's :func:`~hpc.bootstrap.network.local_report`; the
+    local rank 0 of every other node probes the master's addresses that nothing shows
+    reachable (:func:`~hpc.bootstrap.network.probe_targets`) and publishes its own report
+    with the outcome, for rank 0's :func:`~hpc.bootstrap.network.check`."""
+    if info.rank == 0:
+        store.set(_NET_MASTER, json.dumps(network.local_report(os.environ, pinned)))
+        return
+    if info.local_rank != 0:  # one report per node
+        return
+    report = network.local_report(os.environ, pinned)
+    until = min(deadline, time.monotonic() + NET_WAIT)
+    try:  # rank 0 sets it as soon as its store exists
+        store.wait([_NET_MASTER], timedelta(seconds=max(0.01, until - time.monotonic())))
+        master = json.loads(store.get(_NET_MASTER).decode())
+    except Exception as e:  # noqa: BLE001 - rank 0 runs HPC_NETWORK=off, or is late
+        logger.debug("no network report of the master (%s): nothing probed", e)
+        master = None
+    if master is not None:
+        probes, errors = network.probe_targets(report, master, reached, backend), {}
+        for p in probes:
+            if p["addr"] not in errors:
+                errors[p["addr"]] = reach(p["addr"], info.master_port or 0,
+                                          min(deadline, time.monotonic() + NET_WAIT))
+            p.update(port=info.master_port, reached=reached, error=errors[p["addr"]])
+            if p["error"] is None:
+                logger.info("network: probed the master's %s address %s (%s on %s): it "
+                            "answers", p["for"], p["addr"], p["iface"] or "its hostname",
+                            master["host"])
+        report["probes"] = probes
+    slot = store.add("hpc/pf/net/n", 1)
+    store.set(f"hpc/pf/net/{slot}", json.dumps(report))
 
 
 def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
@@ -174,9 +266,12 @@ def client(info: DistInfo, environ: Mapping[str, str], timeout: float) -> Any:
 
     store = dist.TCPStore(info.master_addr, info.master_port, None, False,
                           timeout=timedelta(seconds=timeout))
-    agreed = attempt.remembered(info) if _agent_store(environ) else None
-    if agreed is not None:
-        return dist.PrefixStore(attempt.prefix(agreed), store)
+    if _agent_store(environ):
+        from hpc.bootstrap import attempt
+
+        agreed = attempt.remembered(info)
+        if agreed is not None:
+            return dist.PrefixStore(attempt.prefix(agreed), store)
     return store
 
 
@@ -198,6 +293,8 @@ def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
             "MASTER_PORTs."
         )
     if gpu is not None:
+        from hpc.bootstrap import gpubind
+
         gpubind.publish(store, gpu)  # before joining: rank 0 then sees every claim
     me = {"host": socket.gethostname(), "pid": os.getpid(), "local_rank": info.local_rank,
           "world_size": info.world_size, "backend": backend,
@@ -208,8 +305,8 @@ def _join(store: Any, info: DistInfo, gpu: gpubind.GpuClaim | None,
 
 
 def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
-                 deadline: float, start: float, backend: str | None = None,
-                 checked: bool = False) -> None:
+                 deadline: float, start: float) -> None:
+    """Rank 0: wait until every rank joined; at the deadline abort, naming the missing."""
     keys = [f"hpc/pf/{r}" for r in range(info.world_size)]
     try:
         store.wait(keys, timedelta(seconds=max(0.01, deadline - time.monotonic())))
@@ -227,15 +324,27 @@ def _master_wait(store: Any, info: DistInfo, addr: str, port: int,
         )
         _abort(store, "abort:" + msg, info.world_size - 1 - len(missing))
         raise RendezvousError(msg) from e
+
+
+def _verdict(store: Any, info: DistInfo, backend: str | None, checked: bool) -> None:
+    """Rank 0 once all joined: refuse mixed backends, a GPU claimed twice and (when
+    ``checked``) a network known to break, on every rank; else let them go."""
     mixed = _mixed_backends(store, info, backend)
     if mixed is not None:
         _abort(store, "abort-launch:" + str(mixed), info.world_size - 1)
         raise mixed
-    shared = gpubind.find_shared(store)
+    shared = None
+    if backend is None or "nccl" in parse_backend(backend).values():  # GPUs claimed
+        from hpc.bootstrap import gpubind
+
+        shared = gpubind.find_shared(store)
     if shared is None and checked:
         nodes = int(store.add("hpc/pf/net/n", 0))
-        shared = network.check([json.loads(store.get(f"hpc/pf/net/{i}").decode())
-                                for i in range(1, nodes + 1)], backend)
+        reports = [json.loads(store.get(key).decode()) for key in
+                   [_NET_MASTER, *(f"hpc/pf/net/{i}" for i in range(1, nodes + 1))]]
+        shared = network.check(reports, backend)
+        if shared is None and (line := network.note(reports)):
+            logger.info("%s", line)
     if shared is not None:
         _abort(store, "abort-launch:" + str(shared), info.world_size - 1)
         raise shared

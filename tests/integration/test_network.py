@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,3 +123,92 @@ def test_hostname_resolving_to_loopback(job: str, tmp_path: Path) -> None:
     ranks = _lines(fixed.stdout)
     assert sorted(ranks) == [0, 1, 2, 3] and {r["sum"] for r in ranks.values()} == {"10"}
     assert {r["GLOO_SOCKET_IFNAME"] for r in ranks.values()} == {"eth0"}
+
+
+#: node1 and node2 joined by a veth pair on two subnets of their own, each with a route to
+#: the other's: a routed path, as between two racks (the namespaces share only eth0's).
+ROUTED = {"hpc-node1": ("hpcr25a", "10.202.1.11/24", "10.202.2.0/24"),
+          "hpc-node2": ("hpcr25b", "10.202.2.12/24", "10.202.1.0/24")}
+
+
+def _ipn(ns: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "-n", ns, *args], check=False, capture_output=True,
+                          text=True, timeout=20)
+
+
+@pytest.fixture
+def routed_link() -> Iterator[None]:
+    """The :data:`ROUTED` link, removed afterwards (with either end the pair goes)."""
+    (a, _, _), (b, _, _) = ROUTED.values()
+    _ipn("hpc-node1", "link", "del", a)
+    done = subprocess.run(["ip", "link", "add", a, "type", "veth", "peer", "name", b],
+                          check=False, capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr
+    try:
+        for ns, (dev, addr, route) in ROUTED.items():
+            moved = subprocess.run(["ip", "link", "set", dev, "netns", ns], check=False,
+                                   capture_output=True, text=True, timeout=20)
+            assert moved.returncode == 0, moved.stderr
+            for args in (("addr", "add", addr, "dev", dev), ("link", "set", dev, "up"),
+                         ("route", "add", route, "dev", dev)):
+                done = _ipn(ns, *args)
+                assert done.returncode == 0, done.stderr
+        yield
+    finally:
+        _ipn("hpc-node1", "link", "del", a)
+        subprocess.run(["ip", "link", "del", a], check=False, capture_output=True, timeout=20)
+
+
+def _gloo_over_routed_link(tmp: Path) -> list[str]:
+    """The command prefix that exports GLOO_SOCKET_IFNAME=<this node's end of the link>."""
+    wrapper = tmp / "gloo-routed.sh"
+    (a, _, _), (b, _, _) = ROUTED.values()
+    wrapper.write_text(
+        '#!/bin/sh\ncase "$(hostname)" in\n'
+        f'  node1) export GLOO_SOCKET_IFNAME={a} ;;\n  node2) export GLOO_SOCKET_IFNAME={b} ;;\n'
+        'esac\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    return [str(wrapper)]
+
+
+def _logged(tmp: Path) -> list[str]:
+    """net_probe.py with hpc's INFO lines on stderr (the probe says what it probed)."""
+    wrapper = tmp / "net_probe_logged.py"
+    wrapper.write_text(
+        "import logging, runpy\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s')\n"
+        "logging.getLogger('hpc').setLevel(logging.INFO)\n"
+        f"runpy.run_path({PROBE[1]!r}, run_name='__main__')\n")
+    return [sys.executable, str(wrapper)]
+
+
+def test_gloo_over_a_routed_link_is_probed_and_runs(job: str, tmp_path: Path,
+                                                     routed_link: None) -> None:
+    """The master advertises 10.202.1.11, on no subnet of node2 and not MASTER_ADDR:
+    node2 probes it (through its route), and gloo runs over the routed link."""
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", *_gloo_over_routed_link(tmp_path),
+                *_logged(tmp_path)], job, tmp_path, slurm_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _lines(proc.stdout)
+    assert [ranks[r]["GLOO_SOCKET_IFNAME"] for r in (0, 1)] == ["hpcr25a", "hpcr25b"], ranks
+    assert {r["sum"] for r in ranks.values()} == {"3"}
+    assert "probed the master's gloo address 10.202.1.11 (hpcr25a on node1): it answers" \
+        in proc.stderr, proc.stderr
+
+
+def test_a_master_address_a_node_cannot_reach_is_refused_at_once(
+        job: str, tmp_path: Path, routed_link: None) -> None:
+    """Without node2's route back, gloo on node2 could not connect to the address rank 0
+    advertises; the pre-flight says so on every rank instead of init_process_group."""
+    done = _ipn("hpc-node2", "route", "del", ROUTED["hpc-node2"][2])
+    assert done.returncode == 0, done.stderr
+    start = time.monotonic()
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", *_gloo_over_routed_link(tmp_path),
+                *PROBE], job, tmp_path, slurm_env())
+    took = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "node2 cannot reach the master's gloo address 10.202.1.11 (hpcr25a on node1)" \
+        in proc.stderr, proc.stderr
+    assert "Network is unreachable" in proc.stderr
+    assert "rank 1: rank 0 aborted start-up" in proc.stderr  # node2 ends too
+    assert took < 30, took
