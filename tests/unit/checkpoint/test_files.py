@@ -30,7 +30,7 @@ from hpc.checkpoint.files import (  # noqa: E402
 )
 from hpc.errors import CheckpointError  # noqa: E402
 from hpc.pretrain.runlog import MetricsWriter, read_metrics  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
 
 def payload(step: int) -> dict:

@@ -200,7 +200,7 @@ def test_the_warning_names_the_rank_whose_gpu_is_behind(
 def _hang_check() -> Any:
     import importlib.util
 
-    from tests.helpers import ROOT
+    from tests.helpers.paths import ROOT
 
     spec = importlib.util.spec_from_file_location("nccl_hang_check",
                                                   ROOT / "bench" / "nccl_hang_check.py")
@@ -235,7 +235,7 @@ def test_the_gpu_check_fails_without_cuda() -> None:
     import subprocess
     import sys
 
-    from tests.helpers import ROOT
+    from tests.helpers.paths import ROOT
 
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
