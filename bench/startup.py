@@ -14,14 +14,18 @@ was ready last (its phases are the critical path) and for rank 0 (whose
 ``preflight.wait`` is mostly waiting for the others to arrive), with ``import hpc``
 and the imports ``init_torch`` makes outside a phase (both in the measured window).
 Without compiled bytecode (a source checkout under ``PYTHONDONTWRITEBYTECODE=1``)
-those imports compile every module at each launch.
+those imports compile every module at each launch, while torch, installed, has its
+bytecode; ``--bytecode`` compiles hpc's first (``compileall``, what ``pip install``
+does), so that a launch measures the rendezvous rather than the compiler.
 
-    python bench/startup.py [--nproc 2 4] [--repeats 5]
+    python bench/startup.py [--nproc 2 4] [--repeats 5] [--bytecode]
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
+import importlib.util
 import json
 import os
 import statistics
@@ -89,15 +93,32 @@ def _phase_table(last: list[dict[str, float]], rank0: list[dict[str, float]]) ->
           flush=True)
 
 
+def _bytecode(compile_it: bool) -> str:
+    """Compile hpc's bytecode when asked; say whether a launch finds it."""
+    import hpc
+
+    package = os.path.dirname(hpc.__file__)
+    if compile_it:
+        compileall.compile_dir(package, quiet=1)
+    cached = importlib.util.cache_from_source(os.path.join(package, "__init__.py"))
+    if os.path.exists(cached):
+        return f"compiled ({os.path.dirname(cached)})"
+    return ("none: every launch compiles hpc's modules"
+            + (" (PYTHONDONTWRITEBYTECODE=1)" if sys.dont_write_bytecode else ""))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--bytecode", action="store_true",
+                   help="compile hpc's bytecode before measuring (as pip install does)")
     p.add_argument("--worker", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(*args.worker)
         return 0
+    print(f"hpc bytecode: {_bytecode(args.bytecode)}", flush=True)
     print(f"{'nproc':>5} {'mode':>5} {'rendezvous ms (median)':>23} {'max':>8} "
           f"{'launch->init s':>15}", flush=True)
     for nproc in args.nproc:
