@@ -13,6 +13,7 @@
   ends the job (with :mod:`hpc.watchdog.tracker`, the collective sequence numbers, and
   :mod:`hpc.watchdog.report`, the report's text);
 * :mod:`hpc.bootstrap.shutdown` — at exit: destroy, abort or end the group, by what happened.
+* :mod:`hpc.bootstrap.phases` — how long each of these phases took (``bench/startup.py``).
 
 Nothing here is imported by ``import hpc``; the public names are served by :mod:`hpc`.
 """
