@@ -12,6 +12,7 @@
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
 * :mod:`hpc.bootstrap.threads` — CPU threads per rank (``SLURM_CPUS_PER_TASK``);
 * :mod:`hpc.bootstrap.shutdown` — at exit: destroy, abort or end the group, by what happened.
+* :mod:`hpc.bootstrap.phases` — how long each of these phases took (``bench/startup.py``).
 
 After init, :mod:`hpc.watchdog` takes over (init starts its monitor and installs its
 failure marks); nothing there imports this room.

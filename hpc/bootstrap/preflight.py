@@ -69,7 +69,7 @@ def _connect_once(infos: list[Any], deadline: float) -> tuple[str | None, OSErro
     return None, last
 
 
-def reach(addr: str, port: int, deadline: float) -> str | None:
+def _reach(addr: str, port: int, deadline: float) -> str | None:
     """Connect to ``addr:port`` (a numeric address) until it accepts or the
     ``time.monotonic()`` deadline: None when it did, else the last error as text."""
     try:
@@ -243,7 +243,7 @@ def _publish_network(store: Any, info: DistInfo, pinned: Mapping[str, str] | Non
         probes, errors = network.probe_targets(report, master, reached, backend), {}
         for p in probes:
             if p["addr"] not in errors:
-                errors[p["addr"]] = reach(p["addr"], info.master_port or 0,
+                errors[p["addr"]] = _reach(p["addr"], info.master_port or 0,
                                           min(deadline, time.monotonic() + NET_WAIT))
             p.update(port=info.master_port, reached=reached, error=errors[p["addr"]])
             if p["error"] is None:

@@ -127,7 +127,7 @@ def test_a_routed_node_probes_the_masters_address_and_passes(
 
 
 def test_a_failed_probe_stops_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preflight_module, "reach",
+    monkeypatch.setattr(preflight_module, "_reach",
                         lambda addr, port, deadline: "[Errno 111] Connection refused")
     master = _report("node1", [("eth0", "10.1.0.11", 24)], "10.1.0.11")
     node2 = _report("node2", [("eth0", "10.2.0.12", 24)], "10.2.0.12")
