@@ -47,4 +47,4 @@ def moved(old: str, new: str) -> None:
 
 def _machinery(filename: str) -> bool:
     """True for the import system's frames (the warning names the importing line)."""
-    return filename.startswith("<frozen") or "importlib" in filename.replace("\\", "/")
+    return filename.startswith("<frozen") or "importlib" in filename
