@@ -60,9 +60,10 @@ def _verdict(res: Any) -> str:
     th = v.Thresholds(**t)
     res.findings = (v.judge_gpus(res.rows) + v.judge_compute(res.rows, th)
                     + v.judge_network(res.labels, res.pairs, th))
+    floor = f" and {th.latency_floor * 1e6:g} us" if th.latency_floor else ""
     summary = (f"{len(res.labels)} {res.unit_kind}s, {len(res.pairs)} pairs, no outliers "
                f"(flagged below {th.bandwidth:g}x the median busbw, {th.compute:g}x the "
-               f"median GEMM/copy, latency above {1 / th.latency:g}x the median)")
+               f"median GEMM/copy, latency above {1 / th.latency:g}x the median{floor})")
     return v.verdict_line(res.findings, summary)
 
 
@@ -88,9 +89,11 @@ def _run(args: argparse.Namespace) -> int:
 
     info = hpc.init_torch(backend=args.backend)
     dev = hpc.device()
+    floor = None if args.latency_floor is None else args.latency_floor * 1e-6
     opts = CheckOptions(size=args.size, gemm=args.gemm, copy=args.copy, budget=args.budget,
                         thresholds=Thresholds(args.threshold, args.threshold,
-                                              args.latency_threshold, args.min_busbw * 1e9))
+                                              args.latency_threshold, args.min_busbw * 1e9,
+                                              floor), serial=args.serial)
     opts = opts.resolved(dev.type == "cuda")
     res = measure(opts, dev, info.rank, info.world_size)
     flagged = torch.zeros(1, device=dev)
@@ -120,6 +123,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--min-busbw", type=float, default=0.0, metavar="GB/S",
                    help="also flag pairs below this busbw (GB/s; default off); the only "
                    "rule that can flag the single pair of a 2-node job")
+    p.add_argument("--latency-floor", type=float, default=None, metavar="US",
+                   help="a pair's latency at or below this many microseconds is never "
+                   "flagged (default 1000 on CPU/gloo, 100 on GPU; 0: off)")
+    p.add_argument("--serial", action="store_true",
+                   help="time one pair at a time instead of rounds of disjoint pairs "
+                   "(slower; for nodes that share an uplink or PCIe switch)")
     p.add_argument("--out", default=".", help="where the master writes hpc-check.json "
                    "and hpc-check.png (default: the current directory)")
     p.add_argument("--backend", default=None, help="nccl/gloo (default: auto)")

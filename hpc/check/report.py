@@ -35,7 +35,7 @@ def format_table(res: Results) -> str:
     lines.append(f"{'rank':>4} {'host':<12} {'device':<8} {'GEMM GFLOP/s':>12} "
                  f"{'copy GB/s':>10} {'GPUs':>4}  visible")
     for r in res.rows:
-        vis = ",".join(f"{k}={r[k]}" for k in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+        vis = " ".join(f"{k}={r[k]}" for k in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
                                                  "HIP_VISIBLE_DEVICES") if k in r) or "-"
         gpu = f" {r['gpu_name']}" if r.get("gpu_name") else ""
         lines.append(f"{r['rank']:>4} {r['host']:<12} {r['device']:<8} {r['gemm'] / 1e9:>12.1f} "
@@ -47,6 +47,12 @@ def format_table(res: Results) -> str:
         lines += ["", f"{res.unit_kind} pairs, all_reduce (busbw = algbw x 2(n-1)/n):", head]
         for (a, b), f in sorted(res.pairs.items()):
             lines.append(f"{res.labels[a]:<{width}} {res.labels[b]:<{width}} {_fig_cells(f)}")
+    if res.remeasured:
+        lines += ["", "timed again alone, as the rounds flagged them (the better figure counts):"]
+        for (a, b), (first, alone) in sorted(res.remeasured.items()):
+            lines.append(f"{res.labels[a]:<{width}} {res.labels[b]:<{width}} busbw "
+                         f"{first.busbw / 1e9:.4g} -> {alone.busbw / 1e9:.4g} GB/s, latency "
+                         f"{first.latency * 1e6:.1f} -> {alone.latency * 1e6:.1f} us")
     if res.ring is not None:
         lines += ["", head.replace("pair", "ring", 1),
                   f"{'all ranks':<{2 * width + 1}} {_fig_cells(res.ring)}"]
@@ -61,7 +67,10 @@ def to_json(res: Results) -> dict[str, Any]:
 
     return {"settings": res.settings, "ranks": res.rows, "unit_kind": res.unit_kind,
             "units": res.labels, "members": res.members,
-            "pairs": [{"a": res.labels[a], "b": res.labels[b], **fig(f)}
+            "pairs": [{"a": res.labels[a], "b": res.labels[b], **fig(f),
+                       **({"first": fig(res.remeasured[(a, b)][0]),
+                           "alone": fig(res.remeasured[(a, b)][1])}
+                          if (a, b) in res.remeasured else {})}
                       for (a, b), f in sorted(res.pairs.items())],
             "ring": fig(res.ring) if res.ring else None,
             "findings": [{"kind": f.kind, "names": list(f.names), "text": f.text}

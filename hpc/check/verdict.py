@@ -16,20 +16,27 @@ The rule, robust to a minority of bad units because every reference is a median:
   absolute floor ``min_busbw``) is slow. With 3 or more units, a unit all of whose pairs
   are slow is a slow NODE, and a slow pair between two units that are not slow nodes is a
   slow LINK. With 2 units the single pair is its own reference: only the floor can flag it.
-  Latency is judged the same way on ``1 / latency`` with ``latency_threshold``.
+  Latency is judged the same way on ``1 / latency`` with ``latency_threshold``, and never
+  at or below ``latency_floor`` (scheduler noise on a busy host is of that order).
+* **like with like** -- on a CPU a rank's GEMM and copy are divided by its threads, so a
+  node that splits its cores between two ranks is not half as fast as one with a single
+  rank; pairs the rounds flag are re-measured alone (:func:`remeasure`) and keep their
+  better figure (:func:`best_of`), so contention between the concurrent pairs of a round
+  (a shared uplink, cross-socket PCIe) is not mistaken for a slow link.
 
 A unit is a node when the job spans several nodes, else a rank.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Figure", "Finding", "PairJudgement", "Thresholds", "algbw", "busbw",
+__all__ = ["Figure", "Finding", "PairJudgement", "Thresholds", "algbw", "best_of", "busbw",
            "judge_compute", "judge_gpus", "judge_network", "judge_pairs", "judge_ranks",
-           "round_robin", "verdict_line"]
+           "remeasure", "round_robin", "verdict_line"]
 
 Pair = tuple[int, int]
 
@@ -100,7 +107,7 @@ class PairJudgement:
 
 
 def judge_pairs(n: int, values: Mapping[Pair, float], threshold: float,
-                floor: float = 0.0) -> PairJudgement:
+                floor: float = 0.0, good_enough: float = math.inf) -> PairJudgement:
     """Apply the pair rule (module docstring) to ``values[(i, j)]``, higher is better.
 
     Args:
@@ -108,6 +115,8 @@ def judge_pairs(n: int, values: Mapping[Pair, float], threshold: float,
         values: Figure of each measured pair ``(i, j)``, ``i < j``.
         threshold: A pair is slow below ``threshold x reference``.
         floor: Absolute minimum (same unit as ``values``); 0 disables it.
+        good_enough: A pair at or above this is never slow (latency's absolute floor, as
+            ``1 / latency_floor``); infinity disables it.
     """
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
@@ -116,7 +125,7 @@ def judge_pairs(n: int, values: Mapping[Pair, float], threshold: float,
     if not known:
         return PairJudgement(float("nan"), (), (), ())
     ref = statistics.median(known)
-    limit = max(threshold * ref, floor)
+    limit = min(max(threshold * ref, floor), good_enough)
     slow = tuple(sorted(p for p, v in values.items() if v < limit))
     units: list[int] = []
     if n >= 3:
@@ -159,33 +168,57 @@ class Figure:
         return busbw(self.algbw, self.ranks)
 
 
+
+
+def best_of(a: Figure, b: Figure) -> Figure:
+    """The better of two timings of one pair, metric by metric (noise only slows a link
+    down: its best time is what it can do)."""
+    if (a.ranks, a.nbytes) != (b.ranks, b.nbytes):
+        raise ValueError(f"not the same measurement: {a} vs {b}")
+    return Figure(a.ranks, a.nbytes, min(a.seconds, b.seconds), min(a.latency, b.latency))
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """The knobs of the rule: ``compute`` and ``bandwidth`` are fractions of the median
-    (flag below), ``latency`` likewise on 1/latency; ``min_busbw`` bytes/s, 0 = off."""
+    (flag below), ``latency`` likewise on 1/latency; ``min_busbw`` bytes/s, 0 = off;
+    ``latency_floor`` seconds: a latency at or below it is never slow, 0 = off, ``None``
+    = the device's default (:meth:`hpc.check.runner.CheckOptions.resolved`)."""
 
     compute: float = 0.5
     bandwidth: float = 0.5
     latency: float = 0.25
     min_busbw: float = 0.0
+    latency_floor: float | None = None
 
 
 def _gb(x: float) -> str:
     return f"{x / 1e9:.3g} GB/s" if x >= 1e9 else f"{x / 1e6:.3g} MB/s"
 
 
+def _per_thread(row: Mapping[str, object]) -> int:
+    """What a CPU rank's figures are divided by: its threads (1 on a GPU, or unknown)."""
+    if str(row.get("device", "cpu")).startswith("cuda"):
+        return 1
+    return max(1, int(row.get("threads") or 1))  # type: ignore[call-overload]
+
+
 def judge_compute(rows: Sequence[Mapping[str, object]], t: Thresholds) -> list[Finding]:
-    """Slow-compute findings: a rank's GEMM or copy below ``t.compute x`` the median."""
+    """Slow-compute findings: a rank's GEMM or copy below ``t.compute x`` the median, per
+    thread on a CPU (like with like: two ranks that split a node's cores each get half
+    of it, and are not slow for that)."""
     out: list[Finding] = []
+    threads = [_per_thread(r) for r in rows]
+    per = " per thread" if any(k > 1 for k in threads) else ""
     for key, what, unit, scale in (("gemm", "GEMM", "GFLOP/s", 1e9),
                                    ("copy", "memory copy", "GB/s", 1e9)):
-        values = [float(r[key]) for r in rows]  # type: ignore[arg-type]
+        values = [float(r[key]) / k for r, k in zip(rows, threads)]  # type: ignore[arg-type]
         ref, slow = judge_ranks(values, t.compute)
         for i in slow:
             host = str(rows[i]["host"])
             out.append(Finding("compute", (host,), (
                 f"slow compute on {host}: rank {rows[i]['rank']} {what} "
-                f"{values[i] / scale:.3g} {unit} < {t.compute:g}x the median "
+                f"{values[i] / scale:.3g} {unit}{per} < {t.compute:g}x the median "
                 f"{ref / scale:.3g}")))
     return out
 
@@ -227,10 +260,7 @@ def judge_network(labels: Sequence[str], pairs: Mapping[Pair, Figure],
     """Slow node / slow link findings from the pairs' busbw and latency."""
     out: list[Finding] = []
     n = len(labels)
-    for metric, values, thr, floor in (
-            ("busbw", {p: f.busbw for p, f in pairs.items()}, t.bandwidth, t.min_busbw),
-            ("latency", {p: 1.0 / f.latency for p, f in pairs.items()}, t.latency, 0.0)):
-        j = judge_pairs(n, values, thr, floor)
+    for metric, values, j in _network_rules(n, pairs, t):
 
         def show(v: float, metric: str = metric) -> str:
             return _gb(v) if metric == "busbw" else f"{1e6 / v:.3g} us"
@@ -245,3 +275,24 @@ def judge_network(labels: Sequence[str], pairs: Mapping[Pair, Figure],
                 f"slow link {labels[a]}-{labels[b]}: {metric} {show(values[(a, b)])}, "
                 f"reference {show(j.reference)}")))
     return out
+
+
+def _network_rules(n: int, pairs: Mapping[Pair, Figure], t: Thresholds
+                   ) -> list[tuple[str, dict[Pair, float], PairJudgement]]:
+    """(metric, higher-is-better values, judgement) for busbw and latency: the one place
+    the thresholds and floors of the network rule are applied."""
+    lat_enough = 1.0 / t.latency_floor if t.latency_floor else math.inf
+    out = []
+    for metric, values, thr, floor, enough in (
+            ("busbw", {p: f.busbw for p, f in pairs.items()}, t.bandwidth, t.min_busbw,
+             math.inf),
+            ("latency", {p: 1.0 / f.latency for p, f in pairs.items()}, t.latency, 0.0,
+             lat_enough)):
+        out.append((metric, values, judge_pairs(n, values, thr, floor, enough)))
+    return out
+
+
+def remeasure(n: int, pairs: Mapping[Pair, Figure], t: Thresholds) -> list[Pair]:
+    """The pairs the rule would call slow (busbw or latency), to be timed again alone
+    before anything is flagged: sorted, so every rank agrees on the order."""
+    return sorted({p for _, _, j in _network_rules(n, pairs, t) for p in j.slow_pairs})

@@ -12,7 +12,7 @@ import pytest
 
 from hpc.check import cli, report
 from hpc.check.runner import CheckOptions, Results, units_of
-from hpc.check.verdict import Figure
+from hpc.check.verdict import Figure, Thresholds
 
 
 @pytest.mark.parametrize("text,value", [("4096", 4096), ("512K", 512 << 10), ("4M", 4 << 20),
@@ -85,3 +85,34 @@ def test_png_is_written_or_skipped_with_a_note(tmp_path: Path,
     note = report.write_png(results(), tmp_path / "n.png")
     assert note.startswith("PNG skipped: matplotlib is not installed")
     assert not (tmp_path / "n.png").exists()
+
+
+def test_latency_floor_and_serial_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, gpu = CheckOptions().resolved(False), CheckOptions().resolved(True)
+    assert (cpu.thresholds.latency_floor, gpu.thresholds.latency_floor) == (1e-3, 100e-6)
+    off = CheckOptions(thresholds=Thresholds(latency_floor=0)).resolved(False)
+    assert off.thresholds.latency_floor == 0
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(cli, "_run", lambda args: seen.update(vars(args)) or 0)
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["check", "--serial", "--latency-floor", "250"])
+    assert args.serial is True and args.latency_floor == 250.0
+
+
+def test_report_shows_the_pairs_timed_again(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    res = results()
+    first = Figure(2, 4 << 20, 0.016, 9.2e-4)
+    res.remeasured = {(0, 2): (first, res.pairs[(0, 2)])}
+    res.rows[0].update(CUDA_VISIBLE_DEVICES="0,1", ROCR_VISIBLE_DEVICES="0", gpus=2,
+                       torch_cuda="12.4")
+    res.rows[1:] = [dict(r, gpus=2) for r in res.rows[1:]]
+    assert cli._report(res, tmp_path) is False
+    out = capsys.readouterr().out
+    assert "timed again alone, as the rounds flagged them" in out
+    assert "node1  node3  busbw 0.2621 -> 0.5243 GB/s, latency 920.0 -> 600.0 us" in out
+    assert "CUDA_VISIBLE_DEVICES=0,1 ROCR_VISIBLE_DEVICES=0" in out   # two variables, apart
+    pair = json.loads((tmp_path / "hpc-check.json").read_text())["pairs"][1]
+    assert (pair["a"], pair["b"]) == ("node1", "node3")
+    assert pair["first"]["latency"] == 9.2e-4 and pair["alone"]["seconds"] == 0.008
