@@ -252,6 +252,11 @@ def _resolve(env: Mapping[str, str]) -> DistInfo:
     info = master.resolve_master(info, env)
     for warning in info.warnings:
         logger.warning("%s", warning)
+    if (info.launcher == "local" and info.world_size == 1
+            and not envvars.value("HPC_LAUNCHER", env)):  # HPC_LAUNCHER=local: on purpose
+        logger.info("no launcher found: running as a single process (rank 0 of 1); start "
+                    "N ranks with hpc run --nproc N <script> or torchrun --nproc-per-node N "
+                    "<script>")
     export_env(info)
     return info
 

@@ -28,7 +28,7 @@ from hpc.errors import InconsistentEnvironmentError, LaunchEnvironmentError
 
 __all__ = [
     "ORDER", "DistInfo", "Environment", "detect", "by_name", "launcher_names",
-    "parse_local_rank", "expand_hostnames", "expand_tasks_per_node",
+    "no_launcher_hint", "parse_local_rank", "expand_hostnames", "expand_tasks_per_node",
 ]
 
 ORDER: tuple[type[Environment], ...] = (
@@ -132,6 +132,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
                         _check_hand_set(int(raw[0]), int(raw[1]), env)
                     except InconsistentEnvironmentError as conflict:
                         raise conflict from e
+                    _refuse_hand_set_without_launcher(raw, env, e)
                 raise
             _cross_check(candidate, info, env)
             if candidate is TorchrunEnvironment:
@@ -166,6 +167,32 @@ def _container_hook(info: DistInfo, env: Mapping[str, str]) -> Optional[DistInfo
     return step
 
 
+def no_launcher_hint() -> str:
+    """The HINT of every "no launcher started these processes" error: how to start N."""
+    return ("HINT: start N ranks with a launcher: hpc run --nproc N train.py (one machine), "
+            "torchrun --nproc-per-node N train.py, srun, mpirun/mpiexec, flux run or jsrun; "
+            "or set HPC_LAUNCHER to the launcher that started this job (one of: "
+            f"{', '.join(launcher_names())}); HPC_LAUNCHER=local runs each process alone "
+            "on purpose.")
+
+
+def _refuse_hand_set_without_launcher(raw: tuple[str, str], env: Mapping[str, str],
+                                      cause: LaunchEnvironmentError) -> None:
+    """``RANK``/``WORLD_SIZE`` exported by hand, no torchrun agent, no ``LOCAL_RANK``:
+    nothing will start the other ranks, so exporting ``LOCAL_RANK`` would only wait for
+    them until the connect timeout."""
+    if ("TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env or "LOCAL_RANK" in env
+            or int(raw[1]) <= 1):
+        return
+    raise LaunchEnvironmentError(
+        f"no launcher found: RANK={raw[0]} WORLD_SIZE={raw[1]} are set, but no torchrun "
+        "or hpc run started this process (no TORCHELASTIC_RUN_ID, HPC_RUN_ID or "
+        "LOCAL_RANK).\n"
+        "They were exported by hand; nothing starts the other ranks, so this process "
+        "would wait for them until the connect timeout.\n" + no_launcher_hint()
+        + " Unset RANK and WORLD_SIZE to run one process.") from cause
+
+
 def _guard_single_process(env: Mapping[str, str]) -> None:
     """Refuse rank/size variables that say "several processes" when nothing matched."""
     said = [f"{k}={env[k].strip()}" for k in GUARD_VARIABLES
@@ -178,9 +205,7 @@ def _guard_single_process(env: Mapping[str, str]) -> None:
         "Those variables belong to a launcher whose full set of rank variables is "
         "missing (an unsupported launcher, or a partial hand-made set); starting anyway "
         "would run every process alone as rank 0 of 1, N unrelated trainings.\n"
-        f"HINT: set HPC_LAUNCHER to the launcher that started this job (one of: "
-        f"{', '.join(launcher_names())}), or start the ranks with srun, mpirun/mpiexec, "
-        "torchrun, flux run or jsrun; HPC_LAUNCHER=local runs each process alone on purpose."
+        + no_launcher_hint()
     )
 
 
