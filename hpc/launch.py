@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from hpc import envvars
 from hpc.environments.base import free_port
 from hpc.watchdog.failure import GENERIC_MESSAGE, first_failure, read_mark
 
@@ -98,7 +99,7 @@ def resolve_command(cmd: Sequence[str], environ: Mapping[str, str] | None = None
     but not on ``PATH`` (``hpc`` of a venv that is not activated) runs from there.
     """
     env = os.environ if environ is None else environ
-    python = env.get("HPC_PYTHON") or executable or sys.executable
+    python = envvars.value("HPC_PYTHON", env) or executable or sys.executable
     first = cmd[0]
     if first in PYTHON_WORDS:
         return [python, *cmd[1:]]
@@ -175,9 +176,8 @@ def run(cmd: Sequence[str], nproc: int, *, prefix: bool = True,
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if not cmd:
         raise ValueError("no command given; usage: hpc run --nproc N -- CMD ...")
-    from hpc.preempt.guard import parse_signal  # no torch: a signal name parser
-
-    relay = parse_signal(os.environ.get("HPC_PREEMPT_SIGNAL") or "USR2")
+    envvars.check(os.environ)  # a typo fails here once, not in every rank
+    relay = envvars.value("HPC_PREEMPT_SIGNAL", os.environ)
     job = _Job(resolve_command(cmd), nproc, prefix, relay)
     port = port or int(os.environ.get("MASTER_PORT") or free_port("127.0.0.1"))
     handled = {signal.SIGINT, signal.SIGTERM, relay}

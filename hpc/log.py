@@ -21,12 +21,13 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpc import envvars
 from hpc.environments import DistInfo
 
 __all__ = ["CONSOLE_CHOICES", "RankFilter", "setup_logging"]
 
 #: Who logs INFO to the console: every node's local master, or the global master only.
-CONSOLE_CHOICES = ("local", "global")
+CONSOLE_CHOICES = envvars.VARIABLES["HPC_LOG_CONSOLE"].choices
 
 _HANDLERS: list[logging.Handler] = []
 
@@ -46,7 +47,7 @@ class RankFilter(logging.Filter):
 def _console_level(info: DistInfo, level: int, console: str | None,
                    environ: Mapping[str, str]) -> int:
     """The console level of this rank (``console`` or ``HPC_LOG_CONSOLE``)."""
-    choice = console or environ.get("HPC_LOG_CONSOLE") or "local"
+    choice = console or envvars.value("HPC_LOG_CONSOLE", environ)
     if choice not in CONSOLE_CHOICES:
         raise ValueError(f"console output {choice!r} (HPC_LOG_CONSOLE or console=) is not "
                          f"one of {', '.join(CONSOLE_CHOICES)}.\nHINT: 'local' logs INFO on "
@@ -95,7 +96,7 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
     # hpc run prefixes every line with [rank r] already: one prefix is enough.
     console_fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
                                     datefmt="%H:%M:%S") \
-        if env.get("HPC_RUN_PREFIXED") == "1" else fmt
+        if envvars.value("HPC_RUN_PREFIXED", env) else fmt
     rank_filter = RankFilter(info)
     console_handler = logging.StreamHandler(sys.stderr)
     console_handler.setLevel(console_level)
@@ -107,7 +108,7 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
         file_handler.setLevel(level)
         file_handler.setFormatter(fmt)
         _HANDLERS.append(file_handler)
-    per_rank = env.get("HPC_LOG_DIR", "") if rank_log_dir is None else rank_log_dir
+    per_rank = (envvars.value("HPC_LOG_DIR", env) or "") if rank_log_dir is None else rank_log_dir
     if per_rank:
         Path(per_rank).mkdir(parents=True, exist_ok=True)
         rank_handler = logging.FileHandler(Path(per_rank) / f"rank{info.rank}.log")

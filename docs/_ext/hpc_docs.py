@@ -103,6 +103,16 @@ class LaunchersDirective(SphinxDirective):
         return _parse_rst(self, "\n".join(rows), "<hpc-launchers>")
 
 
+class EnvvarsDirective(SphinxDirective):
+    """The table of the ``HPC_*`` variables, from :data:`hpc.envvars.VARIABLES`."""
+
+    def run(self) -> list[nodes.Node]:
+        from hpc import envvars
+
+        self.env.note_dependency(str(ROOT / "hpc" / "envvars.py"))
+        return _parse_rst(self, envvars.rst_table(), "<hpc-envvars>")
+
+
 def docstring_tables(text: str) -> str:
     """Only the simple tables (``====  ====`` borders) of a cleaned docstring."""
     lines = text.splitlines()
@@ -374,6 +384,7 @@ def resolve_missing(app: Sphinx, env: Any, node: Any, contnode: Any) -> Any:
 
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("hpc-launchers", LaunchersDirective)
+    app.add_directive("hpc-envvars", EnvvarsDirective)
     app.add_directive("hpc-docstring", DocstringDirective)
     app.add_directive("hpc-api", ApiDirective)
     app.add_directive("hpc-api-coverage", ApiCoverageDirective)

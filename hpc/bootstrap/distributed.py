@@ -35,6 +35,7 @@ from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
 
+from hpc import envvars
 from hpc.bootstrap import phases, threads
 from hpc.environments import DistInfo, detect
 from hpc.errors import LaunchEnvironmentError
@@ -53,7 +54,7 @@ _STATE: dict[str, Any] = {"info": None, "device": None, "atexit": False}
 #: Default collective timeout; torch's own default is 30 minutes (10 for NCCL).
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: Default pre-flight wait for all ranks; override with ``HPC_CONNECT_TIMEOUT`` (s).
-DEFAULT_CONNECT_TIMEOUT = 120.0
+DEFAULT_CONNECT_TIMEOUT: float = envvars.VARIABLES["HPC_CONNECT_TIMEOUT"].default
 
 
 def _torchrun_values(info: DistInfo) -> dict[str, object]:
@@ -217,6 +218,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     phases.reset()
     env = os.environ if environ is None else environ
     with phases.phase("detect"):
+        envvars.check(env)  # every HPC_* variable, on every rank, before anything runs
         info = _resolve(env)
     with phases.phase("threads"):
         count, wanted = threads.plan(info, env)
@@ -225,7 +227,7 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if connect_timeout is None:
-        connect_timeout = float(env.get("HPC_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
+        connect_timeout = envvars.value("HPC_CONNECT_TIMEOUT", env)
     with phases.phase("device"):
         backend, dev = _pick_device(info, backend)
     if seed is not None:
@@ -250,6 +252,11 @@ def _resolve(env: Mapping[str, str]) -> DistInfo:
     info = master.resolve_master(info, env)
     for warning in info.warnings:
         logger.warning("%s", warning)
+    if (info.launcher == "local" and info.world_size == 1
+            and not envvars.value("HPC_LAUNCHER", env)):  # HPC_LAUNCHER=local: on purpose
+        logger.info("no launcher found: running as a single process (rank 0 of 1); start "
+                    "N ranks with hpc run --nproc N <script> or torchrun --nproc-per-node N "
+                    "<script>")
     export_env(info)
     return info
 

@@ -50,6 +50,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hpc import envvars
 from hpc.bootstrap.backend import parse_backend
 from hpc.errors import LaunchEnvironmentError
 
@@ -61,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 #: The variables that name the interface gloo and NCCL use between nodes.
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-#: Values of ``HPC_NETWORK``.
-MODES = ("set", "print", "off")
+#: Values of ``HPC_NETWORK`` (the table of :mod:`hpc.envvars` holds them).
+MODES = envvars.VARIABLES["HPC_NETWORK"].choices
 
 #: ``(interface, IPv4 address, prefix length)``.
 Address = tuple[str, str, int]
@@ -77,14 +78,7 @@ def mode(environ: Mapping[str, str]) -> str:
     Raises:
         LaunchEnvironmentError: not one of :data:`MODES`.
     """
-    value = environ.get("HPC_NETWORK", "set") or "set"
-    if value not in MODES:
-        raise LaunchEnvironmentError(
-            f"HPC_NETWORK={value!r} is not one of {', '.join(MODES)}.\n"
-            "It says what the pre-flight does about the network interface.\n"
-            "HINT: set (pin GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME when one interface "
-            "reaches the master), print (only print it) or off (no network checks).")
-    return value
+    return str(envvars.value("HPC_NETWORK", environ))
 
 
 def addresses() -> list[Address]:

@@ -133,6 +133,7 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
             payload["scheduler"] = scheduler.state_dict()
         if sampler is not None:
             payload["sampler"] = _sampler_state(sampler)
+            _warn_unresumable(sampler, epoch, batch, path)
         try:
             save_atomic(payload, path)  # loads it back by the resume's rule first
             removed = prune(path.parent, keep)
@@ -149,6 +150,26 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
     if error is not None:
         raise CheckpointError(error)
     return path
+
+
+#: Sampler types already warned about by :func:`_warn_unresumable` (once per process).
+_WARNED: set[type] = set()
+
+
+def _warn_unresumable(sampler: Any, epoch: int, batch: int, path: Path) -> None:
+    """Warn at the first mid-epoch save with a sampler that cannot skip batches: the
+    restore refuses that file (:func:`hpc.checkpoint.sampler.position_sampler`), and a
+    warning now beats an error at the preemption's resume."""
+    kind = type(sampler)
+    if not batch or hasattr(sampler, "resume_at") or kind in _WARNED:
+        return
+    _WARNED.add(kind)
+    logger.warning(
+        "checkpoint %s is taken after batch %d of epoch %d with a %s, which always starts "
+        "an epoch at its first sample: restore_checkpoint will refuse this file (those "
+        "batches would run twice).\nHINT: use hpc.ResumableSampler(dataset, batch_size=...) "
+        "instead of %s, or checkpoint only at epoch ends (batch=0).",
+        path.name, batch, epoch, kind.__name__, kind.__name__)
 
 
 def _sampler_state(sampler: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Optional
 
+from hpc import envvars
 from hpc.environments.base import DistInfo, Environment
 from hpc.environments.flux import FluxEnvironment
 from hpc.environments.local import LocalEnvironment
@@ -26,8 +27,8 @@ from hpc.environments.torchrun import TorchrunEnvironment, parse_local_rank
 from hpc.errors import InconsistentEnvironmentError, LaunchEnvironmentError
 
 __all__ = [
-    "ORDER", "DistInfo", "Environment", "detect", "by_name", "parse_local_rank",
-    "expand_hostnames", "expand_tasks_per_node",
+    "ORDER", "DistInfo", "Environment", "detect", "by_name", "launcher_names",
+    "no_launcher_hint", "parse_local_rank", "expand_hostnames", "expand_tasks_per_node",
 ]
 
 ORDER: tuple[type[Environment], ...] = (
@@ -69,19 +70,34 @@ RUNTIME_LAUNCHERS = ("mpi4py",)
 OVERRIDE_VARIABLE = "HPC_LAUNCHER"
 
 
+def launcher_names() -> tuple[str, ...]:
+    """Every name ``HPC_LAUNCHER`` accepts, in detection order, aliases after their
+    launcher (``hpc-run``: torchrun; ``hydra``/``intelmpi``: mpich), ``mpi4py`` last: the
+    one list the errors and ``docs/troubleshooting.md`` show."""
+    names: list[str] = []
+    for env in ORDER:
+        names += [env.name, *(alias for alias, of in _ALIASES.items() if of is env)]
+    return (*names, *RUNTIME_LAUNCHERS)
+
+
+#: Other names of some launchers.
+_ALIASES: dict[str, type[Environment]] = {
+    "hpc-run": TorchrunEnvironment, "hydra": HydraEnvironment, "intelmpi": HydraEnvironment}
+
+
 def by_name(name: str) -> type[Environment]:
-    """The environment called ``name`` (``hpc-run`` is an alias of ``torchrun``)."""
+    """The environment called ``name`` (``hpc-run`` is an alias of ``torchrun``).
+
+    Raises:
+        LaunchEnvironmentError: ``name`` is not one of :func:`launcher_names` (as
+            ``HPC_LAUNCHER`` would be).
+        KeyError: ``mpi4py``, which has no environment of its own.
+    """
     names = {env.name: env for env in ORDER}
-    names["hpc-run"] = TorchrunEnvironment
-    names["intelmpi"] = names["hydra"] = HydraEnvironment
-    try:
-        return names[name]
-    except KeyError:
-        valid = ", ".join(sorted(set(names) | set(RUNTIME_LAUNCHERS)))
-        raise LaunchEnvironmentError(
-            f"HPC_LAUNCHER={name!r} is not a known launcher.\n"
-            f"HINT: use one of: {valid}."
-        ) from None
+    names.update(_ALIASES)
+    if name not in names:
+        envvars.parse(OVERRIDE_VARIABLE, name)  # an unknown name: the table's error
+    return names[name]
 
 
 def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
@@ -98,7 +114,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
             (e.g. ``RANK=3`` vs ``SLURM_PROCID=1``), showing both sides.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
-    forced = env.get(OVERRIDE_VARIABLE, "").strip()
+    forced = envvars.value(OVERRIDE_VARIABLE, env) or ""
     if forced and forced not in RUNTIME_LAUNCHERS:
         return by_name(forced).read(env)
     if forced:  # resolved at init time
@@ -116,6 +132,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
                         _check_hand_set(int(raw[0]), int(raw[1]), env)
                     except InconsistentEnvironmentError as conflict:
                         raise conflict from e
+                    _refuse_hand_set_without_launcher(raw, env, e)
                 raise
             _cross_check(candidate, info, env)
             if candidate is TorchrunEnvironment:
@@ -150,6 +167,32 @@ def _container_hook(info: DistInfo, env: Mapping[str, str]) -> Optional[DistInfo
     return step
 
 
+def no_launcher_hint() -> str:
+    """The HINT of every "no launcher started these processes" error: how to start N."""
+    return ("HINT: start N ranks with a launcher: hpc run --nproc N train.py (one machine), "
+            "torchrun --nproc-per-node N train.py, srun, mpirun/mpiexec, flux run or jsrun; "
+            "or set HPC_LAUNCHER to the launcher that started this job (one of: "
+            f"{', '.join(launcher_names())}); HPC_LAUNCHER=local runs each process alone "
+            "on purpose.")
+
+
+def _refuse_hand_set_without_launcher(raw: tuple[str, str], env: Mapping[str, str],
+                                      cause: LaunchEnvironmentError) -> None:
+    """``RANK``/``WORLD_SIZE`` exported by hand, no torchrun agent, no ``LOCAL_RANK``:
+    nothing will start the other ranks, so exporting ``LOCAL_RANK`` would only wait for
+    them until the connect timeout."""
+    if ("TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env or "LOCAL_RANK" in env
+            or int(raw[1]) <= 1):
+        return
+    raise LaunchEnvironmentError(
+        f"no launcher found: RANK={raw[0]} WORLD_SIZE={raw[1]} are set, but no torchrun "
+        "or hpc run started this process (no TORCHELASTIC_RUN_ID, HPC_RUN_ID or "
+        "LOCAL_RANK).\n"
+        "They were exported by hand; nothing starts the other ranks, so this process "
+        "would wait for them until the connect timeout.\n" + no_launcher_hint()
+        + " Unset RANK and WORLD_SIZE to run one process.") from cause
+
+
 def _guard_single_process(env: Mapping[str, str]) -> None:
     """Refuse rank/size variables that say "several processes" when nothing matched."""
     said = [f"{k}={env[k].strip()}" for k in GUARD_VARIABLES
@@ -157,15 +200,12 @@ def _guard_single_process(env: Mapping[str, str]) -> None:
             and int(env[k]) > (1 if k.endswith(("SIZE", "NRANKS")) else 0)]
     if not said:
         return
-    launchers = ", ".join(e.name for e in ORDER)
     raise LaunchEnvironmentError(
         f"no launcher detected, but {' '.join(said)} say this process is one of several.\n"
         "Those variables belong to a launcher whose full set of rank variables is "
         "missing (an unsupported launcher, or a partial hand-made set); starting anyway "
         "would run every process alone as rank 0 of 1, N unrelated trainings.\n"
-        f"HINT: set HPC_LAUNCHER to the launcher that started this job (one of: "
-        f"{launchers}, mpi4py), or start the ranks with srun, mpirun/mpiexec, torchrun, "
-        "flux run or jsrun; HPC_LAUNCHER=local runs each process alone on purpose."
+        + no_launcher_hint()
     )
 
 

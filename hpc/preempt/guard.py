@@ -19,62 +19,62 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+from hpc import envvars
 from hpc._lazy import resolve_callable
+from hpc.envvars import DEFAULT_SIGNAL, VALID_SIGNALS
 from hpc.errors import PreemptError
 
-__all__ = ["DEFAULT_SIGNAL", "STOP_FILE_POLL_S", "VALID_SIGNALS", "PreemptGuard", "StopFlag",
+__all__ = ["STOP_FILE_POLL_S", "PreemptGuard", "StopFlag",
            "load_step_hook", "parse_signal", "parse_signals", "preempt_signals"]
 
-DEFAULT_SIGNAL = "USR2"
-#: Warning signals a job may ask for (catchable, and not used by Slurm for job control).
-VALID_SIGNALS = ("USR2", "USR1", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG", "XCPU")
 #: Seconds between two looks at the stop file (``HPC_STOP_FILE``).
 STOP_FILE_POLL_S = 0.5
 
 
 def parse_signal(name: str) -> signal.Signals:
-    """``USR2``, ``SIGUSR2``, ``usr2`` or ``12`` -> ``signal.SIGUSR2``.
+    """``USR2``, ``SIGUSR2``, ``usr2`` or ``12`` -> ``signal.SIGUSR2``: a warning signal
+    asked for by name (``hpc submit --signal``, the stop file's content).
 
     Raises:
-        PreemptError: the name is not one of :data:`VALID_SIGNALS` (listed in the message).
+        PreemptError: the name is not one of :data:`hpc.envvars.VALID_SIGNALS` (listed
+            in the message).
     """
-    text = str(name).strip().upper()
-    short = text[3:] if text.startswith("SIG") else text
-    if text.isdigit():
-        try:
-            short = signal.Signals(int(text)).name[3:]
-        except ValueError:
-            short = text
-    if short not in VALID_SIGNALS:
+    try:
+        return envvars.signal_of(name)
+    except ValueError as e:
         raise PreemptError(
             f"warning signal {name!r} is not supported.\n"
             "The job must be able to catch it, and Slurm uses STOP/CONT/KILL itself.\n"
             f"HINT: use one of: {', '.join(VALID_SIGNALS)} (default {DEFAULT_SIGNAL}; "
-            "USR1 may clash with NCCL).")
-    return signal.Signals[f"SIG{short}"]
+            "USR1 may clash with NCCL).") from e
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """``"USR2,TERM"`` -> ``(SIGUSR2, SIGTERM)`` (duplicates dropped, order kept).
+    """``"USR2,TERM"`` -> ``(SIGUSR2, SIGTERM)`` (duplicates dropped, order kept), read as
+    ``HPC_PREEMPT_SIGNALS``.
 
     Raises:
-        PreemptError: the list is empty or names a signal :func:`parse_signal` refuses.
+        PreemptError: the list is empty or names a signal outside
+            :data:`hpc.envvars.VALID_SIGNALS`; the message names ``HPC_PREEMPT_SIGNALS``.
     """
-    names = [n for n in str(text).replace(" ", ",").split(",") if n.strip()]
-    if not names:
-        raise PreemptError(f"HPC_PREEMPT_SIGNALS={text!r} names no signal.\n"
-                          "HINT: e.g. HPC_PREEMPT_SIGNALS=USR2,TERM, or unset it.")
-    return tuple(dict.fromkeys(parse_signal(n) for n in names))
+    if not text.strip():
+        text = ","  # nothing at all is "names no signal" too, not the default
+    signals: tuple[signal.Signals, ...] = envvars.parse("HPC_PREEMPT_SIGNALS", text)
+    return signals
 
 
 def preempt_signals(environ: Optional[Mapping[str, str]] = None) -> tuple[signal.Signals, ...]:
     """The signals that ask for the agreed stop: ``HPC_PREEMPT_SIGNALS``, else the warning
-    signal (``HPC_PREEMPT_SIGNAL``, default USR2) and SIGTERM (what preemption sends)."""
+    signal (``HPC_PREEMPT_SIGNAL``, default USR2) and SIGTERM (what preemption sends).
+
+    Raises:
+        PreemptError: either variable is malformed (the message names it).
+    """
     env = os.environ if environ is None else environ
-    listed = env.get("HPC_PREEMPT_SIGNALS", "").strip()
+    listed: Optional[tuple[signal.Signals, ...]] = envvars.value("HPC_PREEMPT_SIGNALS", env)
     if listed:
-        return parse_signals(listed)
-    return parse_signals(f"{env.get('HPC_PREEMPT_SIGNAL') or DEFAULT_SIGNAL},TERM")
+        return listed
+    return tuple(dict.fromkeys((envvars.value("HPC_PREEMPT_SIGNAL", env), signal.SIGTERM)))
 
 
 def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Callable[[], None]]:
@@ -85,7 +85,7 @@ def load_step_hook(environ: Optional[Mapping[str, str]] = None) -> Optional[Call
             says which part failed).
     """
     env = os.environ if environ is None else environ
-    spec = env.get("HPC_STEP_HOOK", "").strip()
+    spec: Optional[str] = envvars.value("HPC_STEP_HOOK", env)
     if not spec:
         return None
     return resolve_callable(spec, label=f"HPC_STEP_HOOK={spec!r}",
@@ -135,8 +135,8 @@ class PreemptGuard:
         self._announce = env.get("SLURM_LOCALID", env.get("LOCAL_RANK", "0")) == "0"
         self._rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
         self.step_hook = step_hook if step_hook is not None else load_step_hook(env)
-        self.stop_file = (env.get("HPC_STOP_FILE", "") if stop_file is None
-                          else stop_file).strip() or None
+        self.stop_file = (envvars.value("HPC_STOP_FILE", env) if stop_file is None
+                          else stop_file.strip()) or None
         self._next_look = 0.0
 
     @property

@@ -26,23 +26,13 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
 4. Slurm restarts the job (``SLURM_RESTART_COUNT`` counts restarts); it resumes from the
    newest checkpoint of its run directory, so every step runs exactly once.
 
+The ``HPC_*`` settings of this flow (``HPC_PREEMPT_SIGNAL``, ``HPC_PREEMPT_SIGNALS``,
+``HPC_MAX_REQUEUES``, ``HPC_STOP_FILE``, ``HPC_REQUEUE_MARKER``, ``HPC_STEP_HOOK``) are in
+the table of :mod:`hpc.envvars`; the other variables it reads:
+
 ==================================  ======================================================
-``HPC_PREEMPT_SIGNAL``              the warning signal (default ``USR2``; USR1 is avoided
-                                    because NCCL may use it); ``hpc submit`` sets it
-``HPC_PREEMPT_SIGNALS``             every signal that asks for the agreed stop, comma
-                                    separated (default: the warning signal and ``TERM``,
-                                    which real preemption sends)
-``HPC_REQUEUE_MARKER``              a file the batch shell watches: where ``scontrol`` is
-                                    missing the master writes the job to requeue there
-                                    (set by ``slurm/lib/preempt.sh``)
-``HPC_STOP_FILE``                   a file the guard looks for (at most every 0.5 s): the
-                                    batch shells of ``slurm/torchrun.sbatch`` and
-                                    ``slurm/mpirun.sbatch`` write the signal they got
-                                    there, for ranks the signal does not reach (mpirun)
 ``SLURM_ARRAY_JOB_ID``              with ``SLURM_ARRAY_TASK_ID``: an array task requeues
 ``SLURM_ARRAY_TASK_ID``             ``<array job>_<task>``, not the whole array
-``HPC_MAX_REQUEUES``                requeue budget (default 3): no requeue once
-                                    ``SLURM_RESTART_COUNT`` reaches it
 ``SLURM_RESTART_COUNT``             set by Slurm in a restarted job (absent = 0)
 ``SLURM_JOB_ID``                    the job to requeue (``SLURM_JOBID`` on old releases)
 ``SLURM_PROCID``/``RANK``           rank named in the "got SIGUSR2" line
@@ -51,9 +41,6 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
                                     own handler (active until the guard replaces it) agrees
 ``SUBMITIT_FOLDER``                 set by submitit in its jobs: the resubmission is written
                                     there (:mod:`hpc.submit.payload`)
-``HPC_STEP_HOOK``                   ``module:function`` called (no arguments) at every poll
-                                    of the guard, i.e. once per step: fault injection; the
-                                    cluster tests slow a run down with it
 ==================================  ======================================================
 """
 
@@ -68,6 +55,7 @@ import sys
 from collections.abc import Mapping
 from typing import Callable, Optional
 
+from hpc import envvars
 from hpc.errors import PreemptError
 
 __all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_stop",
@@ -76,7 +64,7 @@ __all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEUES = 3
+DEFAULT_MAX_REQUEUES: int = envvars.VARIABLES["HPC_MAX_REQUEUES"].default
 #: Exit status of every rank after a successful requeue (sysexits' EX_TEMPFAIL).
 EXIT_REQUEUED = 75
 
@@ -94,18 +82,15 @@ def requeue_target(environ: Mapping[str, str]) -> Optional[str]:
     return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None
 
 
-def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
-    raw = environ.get(key, "").strip()
+def _restart_count(environ: Mapping[str, str]) -> int:
+    raw = environ.get("SLURM_RESTART_COUNT", "").strip()
     if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise PreemptError(f"{key}={raw!r} is not a non-negative integer.\n"
-                          f"HINT: set {key} to a whole number such as {default}, or unset it.")
-    return value
+        return 0
+    if not raw.isdigit():
+        raise PreemptError(f"SLURM_RESTART_COUNT={raw!r} is not a non-negative integer.\n"
+                           "Slurm sets it in a restarted job; this one was set by hand.\n"
+                           "HINT: unset SLURM_RESTART_COUNT.")
+    return int(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +109,7 @@ class Budget:
 def read_budget(environ: Optional[Mapping[str, str]] = None) -> Budget:
     """The requeue budget from ``SLURM_RESTART_COUNT`` and ``HPC_MAX_REQUEUES``."""
     env = os.environ if environ is None else environ
-    return Budget(_env_int(env, "SLURM_RESTART_COUNT", 0),
-                  _env_int(env, "HPC_MAX_REQUEUES", DEFAULT_MAX_REQUEUES))
+    return Budget(_restart_count(env), envvars.value("HPC_MAX_REQUEUES", env))
 
 
 def stopped_by_request(status: str, step: int, max_steps: Optional[int]) -> bool:
@@ -161,7 +145,7 @@ def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str
         proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True,
                               text=True, timeout=60)
     except FileNotFoundError as e:
-        marker = env.get("HPC_REQUEUE_MARKER", "").strip()
+        marker = envvars.value("HPC_REQUEUE_MARKER", env)
         if not marker:
             return f"{type(e).__name__}: {e}", "scontrol"
         try:

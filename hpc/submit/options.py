@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from hpc.envvars import DEFAULT_SIGNAL, VALID_SIGNALS
 from hpc.errors import PreemptError, SubmitError
-from hpc.preempt.guard import DEFAULT_SIGNAL, VALID_SIGNALS, parse_signal
+from hpc.preempt.guard import parse_signal
 from hpc.preempt.requeue import DEFAULT_MAX_REQUEUES
 
 __all__ = ["MANAGED", "SubmitOptions", "field_parameters", "job_dir", "marks_dir", "option",

@@ -51,6 +51,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hpc import envvars
 from hpc.errors import HPCError
 from hpc.sync._collective import comm_device, start_max
 from hpc.sync.agree import all_true, max_ints
@@ -401,7 +402,7 @@ def lane_wanted(option: Optional[bool], params: Sequence[torch.Tensor], match_dd
         return None
     if option is not None:
         return option
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return bool(envvars.value(ENV))
 
 
 def open_lane(half: int, group: Optional[Any], want: Optional[bool],

@@ -37,6 +37,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from hpc import envvars
+
 __all__ = ["GENERIC_MESSAGE", "FirstFailure", "describe_failure", "failed", "first_by_marks",
            "first_failure", "install", "note_failure", "read_mark", "watch", "write_mark"]
 
@@ -108,7 +110,7 @@ def install(rank: int, environ: dict[str, str] | None = None) -> None:
     Idempotent; a no-op unless the launcher set ``HPC_ERROR_DIR`` (created if missing:
     the sbatch templates name one per job in the submit directory).
     """
-    directory = (environ or os.environ).get("HPC_ERROR_DIR")
+    directory = envvars.value("HPC_ERROR_DIR", environ or os.environ)
     if not directory or _INSTALLED.get(directory):
         return
     _INSTALLED[directory] = True

@@ -48,6 +48,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hpc import envvars
 from hpc.environments import DistInfo
 from hpc.errors import CollectiveError
 from hpc.watchdog import failure, report, tracker
@@ -58,7 +59,7 @@ __all__ = ["DEFAULT_HANG_TIMEOUT", "EXIT_CODE", "EXIT_GRACE", "Watchdog",
 logger = logging.getLogger(__name__)
 
 #: Seconds in one collective before the warning report (``HPC_HANG_TIMEOUT``).
-DEFAULT_HANG_TIMEOUT = 300.0
+DEFAULT_HANG_TIMEOUT: float = envvars.VARIABLES["HPC_HANG_TIMEOUT"].default
 #: Exit code of a rank its watchdog ends because the job failed.
 EXIT_CODE = 1
 #: Seconds a rank gets to exit on its own once the job failed, before its watchdog ends it.
@@ -127,9 +128,9 @@ class Watchdog:
     def __init__(self, info: DistInfo, connect: StoreFactory, pg_timeout: float,
                  environ: Mapping[str, str]) -> None:
         self.info, self.connect, self.pg_timeout = info, connect, pg_timeout
-        self.hang_timeout = float(environ.get("HPC_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT))
-        self.log_dir = environ.get("HPC_LOG_DIR") or None
-        self.error_dir = environ.get("HPC_ERROR_DIR") or None
+        self.hang_timeout: float = envvars.value("HPC_HANG_TIMEOUT", environ)
+        self.log_dir: str | None = envvars.value("HPC_LOG_DIR", environ)
+        self.error_dir: str | None = envvars.value("HPC_ERROR_DIR", environ)
         self.slurm_step = (f"{environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}"
                            if environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_ID")
                            else None)
@@ -389,7 +390,7 @@ class Watchdog:
 def start(info: DistInfo, connect: StoreFactory, pg_timeout: float,
           environ: MutableMapping[str, str]) -> Watchdog | None:
     """Start this rank's watchdog unless ``HPC_WATCHDOG=0`` or a single process."""
-    if info.world_size <= 1 or environ.get("HPC_WATCHDOG", "1") == "0":
+    if info.world_size <= 1 or not envvars.value("HPC_WATCHDOG", environ):
         return None
     dog = Watchdog(info, connect, pg_timeout, environ)
     dog.start()

@@ -47,7 +47,7 @@ def test_console_local_or_global_master(monkeypatch: pytest.MonkeyPatch, rank: i
 
 
 def test_console_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"'node' .* not one of local, global\.\nHINT:"):
+    with pytest.raises(ValueError, match=r"(?s)HPC_LOG_CONSOLE='node' .*not one of local, global\.\n.*HINT:"):
         _console(monkeypatch, _info(0, 0), environ={"HPC_LOG_CONSOLE": "node"})
 
 

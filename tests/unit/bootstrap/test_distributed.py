@@ -74,3 +74,20 @@ def test_export_env_skips_unknown_master() -> None:
                         local_world_size=2), env)
     assert env["MASTER_ADDR"] == "elsewhere" and "MASTER_PORT" not in env
     assert env["RANK"] == "1"
+
+
+def test_plain_python_says_once_that_it_runs_as_a_single_process() -> None:
+    """``python train.py`` with no launcher (when two ranks were meant): one INFO line
+    says it is a single process and how to start N."""
+    import sys
+
+    from tests.helpers.processes import clean_env, run_group
+
+    code = ("import logging, hpc; logging.basicConfig(level=logging.INFO); "
+            "hpc.init_torch(); hpc.init_torch()")
+    proc = run_group([sys.executable, "-c", code], timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "single process" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("INFO:") and "hpc run --nproc N" in lines[0], lines
+    assert "torchrun --nproc-per-node N" in lines[0]

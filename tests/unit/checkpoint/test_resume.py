@@ -305,3 +305,28 @@ def test_agreed_stop_in_a_slurm_job_without_requeue_budget_exits_1(
     stop = hpc.AgreedStop(guard)
     assert stop(1) and stop.exit_code(1) == 1
     monkeypatch.delenv("SLURM_JOB_ID")
+
+
+def test_a_mid_epoch_save_with_a_plain_sampler_warns_once_at_save_time(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """restore_checkpoint refuses such a file; say so when it is written, not at resume."""
+    from hpc.checkpoint import resume
+
+    getattr(resume, "_WARNED", set()).clear()  # once per process: forget earlier tests
+    plain = DistributedSampler(data(), num_replicas=1, rank=0)
+    a = objects()
+    with caplog.at_level(logging.WARNING):
+        hpc.save_checkpoint(tmp_path, 2, **a, sampler=plain, epoch=1, batch=0)
+        assert "ResumableSampler" not in caplog.text  # an epoch end resumes fine
+        hpc.save_checkpoint(tmp_path, 3, **a, sampler=plain, epoch=1, batch=1)
+        hpc.save_checkpoint(tmp_path, 4, **a, sampler=plain, epoch=1, batch=2)
+    warned = [r for r in caplog.records if "ResumableSampler" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    text = warned[0].getMessage()
+    assert "after batch 1 of epoch 1" in text and "DistributedSampler" in text
+    assert "restore_checkpoint will refuse" in text and "HINT: use hpc.ResumableSampler" in text
+    caplog.clear()
+    ours = hpc.ResumableSampler(data(), batch_size=4, num_replicas=1, rank=0)
+    with caplog.at_level(logging.WARNING):
+        hpc.save_checkpoint(tmp_path, 5, **a, sampler=ours, epoch=1, batch=3)
+    assert "ResumableSampler" not in caplog.text

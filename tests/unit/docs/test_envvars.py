@@ -9,6 +9,9 @@
   a module docstring that page renders (``.. hpc-docstring::``).
 * Vice versa, every variable the page names (above its "read by other tools" part) is
   named somewhere in that code, so the page lists nothing stale.
+* The ``HPC_*`` variables ``hpc/`` reads are exactly the table of :mod:`hpc.envvars`,
+  which the page renders (``.. hpc-envvars::``); any other ``HPC_*`` name on the page is
+  one that only the scripts read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from hpc import envvars
 
 ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "envvars.rst"
@@ -37,6 +42,7 @@ SHAPE = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")
 PREFIXED = re.compile(
     r"^(SLURM|OMPI|PMIX?|MV2|MPI|HYDI|TORCHELASTIC|HPC|SUBMITIT|CUDA|NCCL|GLOO)_[A-Z0-9_]+$")
 ENV_NAMES = {"environ", "env", "environment"}
+ENVVARS_DIRECTIVE = ".. hpc-envvars::"
 
 
 def _is_env(node: ast.AST) -> bool:
@@ -248,7 +254,8 @@ def documented() -> tuple[set[str], set[str]]:
     names = literal_names(page)
     for text in rendered_docstrings(page).values():
         names |= literal_names(text)
-    return names, literal_names(own)
+    table = literal_names(envvars.rst_table()) if ENVVARS_DIRECTIVE in own else set()
+    return names | table, literal_names(own) | table
 
 
 def test_every_variable_read_is_documented() -> None:
@@ -268,6 +275,27 @@ def test_every_documented_variable_is_read() -> None:
     assert not stale, (
         f"docs/envvars.rst names variables that nothing in hpc/ or the scripts uses: {stale} "
         f"(variables of other tools go below the line {EXTERNAL_MARKER!r})")
+
+
+def test_the_hpc_variables_read_are_the_table() -> None:
+    read = {n for n in read_in_code() if n.startswith("HPC_")}
+    table = set(envvars.VARIABLES)
+    assert read - table == set(), (
+        f"hpc/ reads {sorted(read - table)}: add a row to hpc.envvars.VARIABLES and read "
+        "it with hpc.envvars.value()")
+    assert table - read == set(), f"hpc.envvars.VARIABLES rows nothing reads: {table - read}"
+
+
+def test_the_page_renders_the_table_and_no_other_hpc_variable_of_the_package() -> None:
+    page = without_absent_modules(PAGE.read_text(encoding="utf-8"))
+    own = page.partition(EXTERNAL_MARKER)[0]
+    assert ENVVARS_DIRECTIVE in own, f"{PAGE.name} lost {ENVVARS_DIRECTIVE!r}"
+    scripts_only = set(hpc_vars_in_scripts()) - set(read_in_code())
+    named = {n for n in literal_names(own) if n.startswith("HPC_")}
+    stray = named - set(envvars.VARIABLES) - scripts_only
+    assert not stray, (
+        f"{PAGE.name} names {sorted(stray)}, neither in hpc.envvars.VARIABLES nor read by "
+        "the scripts")
 
 
 def test_page_renders_every_launcher_module() -> None:

@@ -11,6 +11,7 @@ that page.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hpc.errors
@@ -73,6 +74,17 @@ def test_bootstrap_errors_are_documented() -> None:
     assert not missing, (
         "errors raised by the bootstrap but not shown in docs/troubleshooting.md "
         "(add the real message with its cause and fix):\n" + "\n".join(missing))
+
+
+def test_the_page_lists_the_launcher_names_of_the_code() -> None:
+    """Every "one of: ..." list of HPC_LAUNCHER names on the page is
+    :func:`hpc.environments.launcher_names`, in its order: one list, one place."""
+    from hpc.environments import launcher_names
+
+    page = PAGE.read_text(encoding="utf-8")
+    lists = re.findall(r"HPC_LAUNCHER\S*[^\n]*?\(one of: ([^)]*)\)", page)
+    assert len(lists) >= 2, "the page lost its HPC_LAUNCHER lists"
+    assert {tuple(x.split(", ")) for x in lists} == {launcher_names()}
 
 
 def test_fragment_of_fstring() -> None:

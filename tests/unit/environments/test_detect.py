@@ -231,6 +231,30 @@ def test_torchrun_missing_local_rank() -> None:
     assert "HINT" in message(e)
 
 
+def test_hand_set_rank_and_world_size_say_no_launcher_was_found() -> None:
+    """``WORLD_SIZE=2 RANK=0 python train.py``: exporting LOCAL_RANK (the old HINT) only
+    leads to a timeout, since nothing starts rank 1; say how to start N ranks instead."""
+    with pytest.raises(LaunchEnvironmentError) as e:
+        detect({"RANK": "0", "WORLD_SIZE": "2"})
+    text = message(e)
+    assert text.startswith("no launcher found: RANK=0 WORLD_SIZE=2 are set")
+    assert "hpc run --nproc N" in text and "torchrun --nproc-per-node N" in text
+    assert "export LOCAL_RANK" not in text
+
+
+def test_a_size_alone_hints_hpc_run_and_every_launcher_name() -> None:
+    """``WORLD_SIZE=2 python train.py``: the HINT shows ``hpc run --nproc N`` and the one
+    list of HPC_LAUNCHER names (the same as docs/troubleshooting.md, a docs test checks)."""
+    from hpc.environments import launcher_names
+
+    with pytest.raises(LaunchEnvironmentError) as e:
+        detect({"WORLD_SIZE": "2"})
+    text = message(e)
+    assert "hpc run --nproc N" in text
+    assert f"(one of: {', '.join(launcher_names())})" in text
+    assert set(launcher_names()) >= {env.name for env in ORDER} | {"hpc-run", "mpi4py"}
+
+
 def test_hpc_run_marker() -> None:
     env = dict(ELASTIC, HPC_RUN_ID="abc")
     del env["TORCHELASTIC_RUN_ID"]

@@ -1,0 +1,300 @@
+"""The ``HPC_*`` variables torch-hpc reads: one table, one reader, checked at init.
+
+:data:`VARIABLES` holds, for each variable, its parser, the accepted form, the default and
+a one-line meaning. Code that reads one calls :func:`value` (the parsed value, or the
+default when unset or empty); nothing else parses them. :func:`check` parses every one
+that is set and is the first thing :func:`hpc.init_torch` does on every rank (and
+``hpc run`` before it starts any), so a typo such as ``HPC_MAX_REQUEUES=three`` fails at
+start-up naming the variable, the value and the accepted form, not at the preemption
+hours later. ``docs/envvars.rst`` renders this table (``.. hpc-envvars::``) and
+``tests/unit/docs/test_envvars.py`` keeps it and the code's reads the same set.
+
+This module imports nothing of the package but :mod:`hpc.errors`: every room may read
+through it. The one value it takes from a room, the launcher names of ``HPC_LAUNCHER``,
+is looked up from :func:`hpc.environments.launcher_names` when such a value is parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import signal
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from hpc.errors import HPCError, LaunchEnvironmentError, PreemptError
+
+__all__ = ["Variable", "VARIABLES", "DEFAULT_SIGNAL", "VALID_SIGNALS", "check", "value",
+           "parse", "signal_of", "rst_table"]
+
+DEFAULT_SIGNAL = "USR2"
+#: Signals a job may ask for as its warning or stop signal: catchable, and not the ones
+#: Slurm uses for job control itself (STOP/CONT/KILL).
+VALID_SIGNALS = ("USR2", "USR1", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG", "XCPU")
+
+_SWITCH = {"1": True, "on": True, "true": True, "yes": True,
+           "0": False, "off": False, "false": False, "no": False}
+_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One ``HPC_*`` variable.
+
+    Attributes:
+        name: The variable.
+        parse: Text (stripped, not empty) -> value; raises ``ValueError`` saying why not.
+        accepted: The accepted form, as the error's HINT and the docs show it.
+        default: The value when unset or empty (``None``: no default, the feature is off).
+        default_text: How the docs and errors show the default.
+        meaning: One line: what it does.
+        error: The :class:`~hpc.errors.HPCError` a malformed value raises.
+        choices: The accepted words, for variables that take one of a few.
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    accepted: str
+    default: Any
+    default_text: str
+    meaning: str
+    error: type[HPCError] = LaunchEnvironmentError
+    choices: tuple[str, ...] = ()
+
+
+def signal_of(text: str) -> signal.Signals:
+    """``USR2``, ``SIGUSR2``, ``usr2`` or ``12`` -> ``signal.SIGUSR2``.
+
+    Raises:
+        ValueError: (``is not one of ...``) not one of :data:`VALID_SIGNALS` (by name or number).
+    """
+    name = str(text).strip().upper()
+    short = name[3:] if name.startswith("SIG") else name
+    if name.isdigit():
+        try:
+            short = signal.Signals(int(name)).name[3:]
+        except ValueError:
+            short = name
+    if short not in VALID_SIGNALS:
+        raise ValueError(f"is not one of {', '.join(VALID_SIGNALS)}")
+    return signal.Signals[f"SIG{short}"]
+
+
+def _signals(text: str) -> tuple[signal.Signals, ...]:
+    names = [n for n in text.replace(" ", ",").split(",") if n.strip()]
+    if not names:
+        raise ValueError("names no signal")
+    found: list[signal.Signals] = []
+    for name in names:
+        try:
+            found.append(signal_of(name))
+        except ValueError as e:
+            raise ValueError(f"names {name.strip()!r}, which {e}") from None
+    return tuple(dict.fromkeys(found))
+
+
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    def parse_seconds(text: str) -> float:
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError("is not a number of seconds") from None
+        if not math.isfinite(seconds) or seconds < 0 or (minimum_exclusive and seconds == 0):
+            raise ValueError("is not a positive number of seconds" if minimum_exclusive
+                             else "is not a number of seconds >= 0")
+        return seconds
+    return parse_seconds
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError("is not a non-negative integer")
+    return int(text)
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse_choice(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"is not one of {', '.join(choices)}")
+        return text
+    return parse_choice
+
+
+def _switch(text: str) -> bool:
+    try:
+        return _SWITCH[text.lower()]
+    except KeyError:
+        raise ValueError("is not 1 or 0 (on/off, true/false, yes/no)") from None
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _reference(text: str) -> str:
+    if not _REFERENCE.match(text):
+        raise ValueError("is not module:function")
+    return text
+
+
+def _launcher(text: str) -> str:
+    from hpc.environments import launcher_names  # the names are the environments' own
+
+    if text not in launcher_names():
+        raise ValueError(f"is not a known launcher (one of: {', '.join(launcher_names())})")
+    return text
+
+
+_NETWORK_MODES = ("set", "print", "off")
+_CONSOLES = ("local", "global")
+
+
+def _table(*rows: Variable) -> dict[str, Variable]:
+    return {row.name: row for row in rows}
+
+
+#: Every ``HPC_*`` variable the package reads, in the order the docs show them.
+VARIABLES: dict[str, Variable] = _table(
+    Variable("HPC_LAUNCHER", _launcher, "the name of the launcher that started the job "
+             "(torchrun, slurm, openmpi, ...)", None, "detected",
+             "force a launcher instead of detecting one"),
+    Variable("HPC_CONNECT_TIMEOUT", _seconds(True), "a number of seconds > 0, e.g. 120",
+             120.0, "120", "seconds the pre-flight of hpc.init_torch waits for the master "
+             "and for all ranks; then it fails naming host:port or the missing ranks"),
+    Variable("HPC_NETWORK", _choice(*_NETWORK_MODES), " | ".join(_NETWORK_MODES), "set",
+             "set", "what the pre-flight does about the network between nodes: set "
+             "checks it and sets GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME when unset and one "
+             "interface reaches the master; print only prints the export line; off does "
+             "neither", choices=_NETWORK_MODES),
+    Variable("HPC_HANG_TIMEOUT", _seconds(False), "a number of seconds >= 0, e.g. 300",
+             300.0, "300", "seconds a rank may wait in one collective before the watchdog "
+             "logs the stuck-rank report of every rank as a warning (0: never; the job is "
+             "not ended)"),
+    Variable("HPC_WATCHDOG", _switch, "1 or 0 (also on/off, true/false, yes/no)", True, "1",
+             "0 turns the post-init watchdog off: no collective tracking, no stuck-rank "
+             "report, no ending of the job when one rank fails"),
+    Variable("HPC_SYNC_SHM", _switch, "1 or 0 (also on/off, true/false, yes/no)", True, "1",
+             "0 turns off the shared-memory exchange of hpc.sync_gradients, used when "
+             "every rank of the group is on one host with CPU parameters"),
+    Variable("HPC_LOG_DIR", _text, "a directory", None, "none",
+             "run directory: hpc.setup_logging writes rank<r>.log there, the watchdog "
+             "hang-report.txt and, under nccl, PyTorch's Flight Recorder dumps; "
+             "slurm/pretrain.sbatch sets hpc-logs/<job id>"),
+    Variable("HPC_LOG_CONSOLE", _choice(*_CONSOLES), " | ".join(_CONSOLES), "local",
+             "local", "hpc.setup_logging: INFO on the console from each node's local rank 0 "
+             "(local) or from global rank 0 only (global); every rank logs warnings",
+             error=LaunchEnvironmentError, choices=_CONSOLES),
+    Variable("HPC_ERROR_DIR", _text, "a directory", None, "none",
+             "set by hpc run, slurm/pretrain.sbatch and hpc submit: each rank records there "
+             "when and why it began to fail, so the first failing rank can be named"),
+    Variable("HPC_RUN_ID", _text, "any text", None, "none",
+             "set by hpc run: the launcher is reported as hpc-run and the variables are "
+             "trusted as the launcher's own"),
+    Variable("HPC_RUN_PREFIXED", _switch, "1 or 0", False, "0",
+             "set by hpc run (1, or 0 under --no-prefix): hpc run already prefixes each "
+             "line, so hpc.setup_logging leaves its rank prefix out on the console"),
+    Variable("HPC_PYTHON", _text, "a Python executable", None, "the running Python",
+             "the Python hpc run starts for a leading python/python3 or a .py script; in "
+             "the slurm/ templates the Python of hpc and of a leading python/python3 (python3)"),
+    Variable("HPC_PREEMPT_SIGNAL", signal_of, f"a signal name: {', '.join(VALID_SIGNALS)}",
+             signal.SIGUSR2, DEFAULT_SIGNAL, "the warning signal (USR1 is avoided because "
+             "NCCL may use it); hpc submit sets it, hpc run relays it to the ranks",
+             error=PreemptError),
+    Variable("HPC_PREEMPT_SIGNALS", _signals,
+             f"comma-separated signal names of: {', '.join(VALID_SIGNALS)}", None,
+             "HPC_PREEMPT_SIGNAL,TERM", "every signal that asks for the agreed stop "
+             "(default: the warning signal and TERM, which real preemption sends)",
+             error=PreemptError),
+    Variable("HPC_MAX_REQUEUES", _count, "a whole number >= 0, e.g. 3", 3, "3",
+             "requeue budget: no requeue once SLURM_RESTART_COUNT reaches it",
+             error=PreemptError),
+    Variable("HPC_STOP_FILE", _text, "a file path", None, "none",
+             "a file the guard looks for (at most every 0.5 s): slurm/torchrun.sbatch and "
+             "slurm/mpirun.sbatch write the signal they got there, for ranks the signal "
+             "does not reach (mpirun)", error=PreemptError),
+    Variable("HPC_REQUEUE_MARKER", _text, "a file path", None, "none",
+             "a file the batch shell watches: where scontrol is missing the master writes "
+             "the job to requeue there (set by slurm/lib/preempt.sh)", error=PreemptError),
+    Variable("HPC_STEP_HOOK", _reference, "module:function, e.g. mypkg.hooks:on_step", None,
+             "none", "a function called (no arguments) at every poll of the preemption "
+             "guard, i.e. once per step: fault injection", error=PreemptError),
+)
+
+
+def _failure(var: Variable, raw: str, reason: str) -> str:
+    """The fact: the variable, its value and why it is refused."""
+    return f"{var.name}={raw!r} {reason}"
+
+
+def _hint(var: Variable) -> str:
+    return f"{var.name} to {var.accepted} (default {var.default_text})"
+
+
+def parse(name: str, raw: str) -> Any:
+    """``raw`` as variable ``name`` would be read (stripped; empty: the default).
+
+    Raises:
+        HPCError: (the variable's ``error`` type) malformed; the message names the
+            variable, the value and the accepted form.
+        KeyError: ``name`` is not in :data:`VARIABLES`.
+    """
+    var = VARIABLES[name]
+    text = raw.strip()
+    if not text:
+        return var.default
+    try:
+        return var.parse(text)
+    except ValueError as e:
+        raise var.error(f"{_failure(var, raw, str(e))}.\n"
+                        f"{name}: {var.meaning}.\n"
+                        f"HINT: set {_hint(var)}, or unset it.") from e
+
+
+def value(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of ``name`` in ``environ`` (default ``os.environ``), or its default.
+
+    Raises:
+        HPCError: malformed (see :func:`parse`).
+    """
+    env = os.environ if environ is None else environ
+    return parse(name, env.get(name, ""))
+
+
+def check(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Parse every variable of :data:`VARIABLES` that ``environ`` sets.
+
+    Raises:
+        HPCError: one or more are malformed; one error lists all of them (its type is the
+            first one's), each with its value and accepted form.
+    """
+    env = os.environ if environ is None else environ
+    bad: list[tuple[Variable, str, str]] = []
+    for name, var in VARIABLES.items():
+        raw = env.get(name, "")
+        if raw.strip():
+            try:
+                var.parse(raw.strip())
+            except ValueError as e:
+                bad.append((var, raw, str(e)))
+    if not bad:
+        return
+    if len(bad) == 1:
+        var, raw, reason = bad[0]
+        parse(var.name, raw)  # raises the one error
+    facts = "; ".join(_failure(var, raw, reason) for var, raw, reason in bad)
+    hints = "; ".join(_hint(var) for var, _, _ in bad)
+    raise bad[0][0].error(f"{len(bad)} torch-hpc variables are malformed: {facts}.\n"
+                          "Each is read at start-up so that none fails the job later.\n"
+                          f"HINT: set {hints}; or unset them.")
+
+
+def rst_table() -> str:
+    """:data:`VARIABLES` as a reStructuredText list-table (``docs/envvars.rst``)."""
+    rows = [".. list-table::", "   :header-rows: 1", "   :widths: 22 26 12 40", "",
+            "   * - variable", "     - accepted", "     - default", "     - meaning"]
+    for var in VARIABLES.values():
+        rows += [f"   * - ``{var.name}``", f"     - {var.accepted}",
+                 f"     - {var.default_text}", f"     - {var.meaning}"]
+    return "\n".join(rows)
