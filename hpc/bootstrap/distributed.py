@@ -233,6 +233,16 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     """
     if _STATE["info"] is not None:
         return _STATE["info"]
+    from hpc.log import held_until_setup
+
+    with held_until_setup():  # its INFO lines, for a setup_logging called after it
+        return _init_torch(backend, seed, timeout, connect_timeout, environ)
+
+
+def _init_torch(backend: Optional[str], seed: Optional[int],
+                timeout: Union[timedelta, float], connect_timeout: Optional[float],
+                environ: Optional[Mapping[str, str]]) -> DistInfo:
+    """:func:`init_torch`'s phases, in call order."""
     import torch.distributed as dist
 
     phases.reset()
