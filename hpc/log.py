@@ -10,6 +10,15 @@ prefix, except on the console under ``hpc run``, which prefixes lines itself
 With a run directory (``rank_log_dir=``, default ``HPC_LOG_DIR``) every rank also writes
 all its lines at ``level`` to ``rank<r>.log`` there (appended to across requeues), so a
 warning of rank 37 is found without searching the interleaved console output.
+
+The documented scripts call ``setup_logging`` *after* ``init_torch``, so the start-up's
+INFO lines (``network: master ... reachable over eth0``, ``initialised slurm rank ...``)
+would have had nowhere to go. While nothing is configured (no handler on the root or
+``hpc`` logger), ``init_torch`` holds its ``hpc.*`` records (:func:`held_until_setup`) and
+the first ``setup_logging`` replays them through its handlers, with their own times,
+before any line of the script. Warnings are printed at once as before (Python's
+last-resort handler) and replayed only to the files. A script that configures logging
+otherwise (``logging.basicConfig`` before ``init_torch``) gets the records live, as ever.
 """
 
 from __future__ import annotations
@@ -18,18 +27,74 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from hpc import envvars
 from hpc.environments import DistInfo
 
-__all__ = ["CONSOLE_CHOICES", "RankFilter", "setup_logging"]
+__all__ = ["CONSOLE_CHOICES", "RankFilter", "held_until_setup", "setup_logging"]
 
 #: Who logs INFO to the console: every node's local master, or the global master only.
 CONSOLE_CHOICES = envvars.VARIABLES["HPC_LOG_CONSOLE"].choices
 
 _HANDLERS: list[logging.Handler] = []
+#: ``hpc.*`` records of an ``init_torch`` that ran before logging was set up, for the
+#: first :func:`setup_logging` to replay; at most :data:`_HELD_MAX`.
+_HELD: list[logging.LogRecord] = []
+_HELD_MAX = 500
+_PACKAGE = "hpc"
+
+
+class _Holder(logging.Handler):
+    """Keeps records for :func:`setup_logging`; shows at once those that would have
+    been shown without it (Python's last resort: WARNING and above on stderr)."""
+
+    def __init__(self, shown: int) -> None:
+        super().__init__(logging.INFO)
+        self.shown = shown
+
+    def emit(self, record: logging.LogRecord) -> None:
+        last = logging.lastResort
+        if last is not None and record.levelno >= max(self.shown, last.level):
+            last.handle(record)
+            record.hpc_shown = True  # replayed to files only
+        if len(_HELD) < _HELD_MAX:
+            _HELD.append(record)
+
+
+@contextmanager
+def held_until_setup() -> Iterator[None]:
+    """Hold the ``hpc.*`` INFO records of the block for the next :func:`setup_logging`,
+    when no logging is configured (no handler on the root or ``hpc`` logger); else a
+    no-op. ``init_torch`` runs inside it."""
+    root, package = logging.getLogger(), logging.getLogger(_PACKAGE)
+    if root.handlers or package.handlers:
+        yield
+        return
+    holder, level = _Holder(package.getEffectiveLevel()), package.level
+    package.addHandler(holder)
+    if package.getEffectiveLevel() > logging.INFO:
+        package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(holder)
+        package.setLevel(level)
+
+
+def _replay(handlers: list[logging.Handler], console: logging.Handler,
+            logger_name: str) -> None:
+    """Hand the held records to the new handlers, each at its own level, once."""
+    held = [r for r in _HELD if not logger_name or r.name == logger_name
+            or r.name.startswith(logger_name + ".")]
+    _HELD.clear()
+    for record in held:
+        for h in handlers:
+            if record.levelno >= h.level and not (
+                    h is console and getattr(record, "hpc_shown", False)):
+                h.handle(record)
 
 
 class RankFilter(logging.Filter):
@@ -75,7 +140,9 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
         rank_log_dir: Every rank writes ``rank<r>.log`` there, at ``level`` (default
             ``HPC_LOG_DIR``; ``""``: no per-rank files).
 
-    Calling it again replaces the handlers it added before.
+    Calling it again replaces the handlers it added before. The first call after an
+    ``init_torch`` that ran without logging replays that start-up's records first
+    (:func:`held_until_setup`).
 
     Raises:
         ValueError: ``console`` (or ``HPC_LOG_CONSOLE``) is not in :data:`CONSOLE_CHOICES`.
@@ -119,4 +186,5 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
         h.addFilter(rank_filter)
         root.addHandler(h)
     root.setLevel(min(level, logging.WARNING))
+    _replay(_HANDLERS, console_handler, logger_name)  # init_torch's lines, first
     return root

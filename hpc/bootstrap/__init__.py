@@ -10,6 +10,8 @@
   :mod:`hpc.bootstrap.network` finds the interface that reaches the master;
 * :mod:`hpc.bootstrap.backend` — the backend for the devices (``cpu:gloo,cuda:nccl``);
 * :mod:`hpc.bootstrap.gpubind` — one GPU per nccl rank;
+* :mod:`hpc.bootstrap.build` — a CPU-only torch where GPUs were granted: refused
+  (``HPC_ALLOW_CPU=1`` accepts it);
 * :mod:`hpc.bootstrap.threads` — CPU threads per rank (``SLURM_CPUS_PER_TASK``);
 * :mod:`hpc.bootstrap.shutdown` — at exit: destroy, abort or end the group, by what happened.
 * :mod:`hpc.bootstrap.phases` — how long each of these phases took (``bench/startup.py``).

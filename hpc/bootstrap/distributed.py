@@ -165,6 +165,27 @@ def _pick_device(info: DistInfo, backend: Optional[str]) -> tuple[str, Any]:
     return backend or DEFAULT_GPU_BACKEND, torch.device("cuda", index)
 
 
+def _cpu_build(info: DistInfo, requested: Optional[str], dev: Any,
+               env: Mapping[str, str]) -> DistInfo:
+    """A CPU device for a backend that wanted CUDA, from a CPU-only torch where GPUs were
+    granted (:func:`hpc.bootstrap.build.check`): refused, or with ``HPC_ALLOW_CPU=1`` kept
+    with a warning in ``info.warnings``. An explicit CPU backend is the user's choice."""
+    from hpc.bootstrap.backend import uses_cuda
+
+    if dev.type != "cpu" or not uses_cuda(requested):
+        return info
+    import torch
+
+    from hpc.bootstrap import build
+
+    warning = build.check(torch.__version__, torch.version.cuda,
+                          getattr(torch.version, "hip", None), env)
+    if warning is None:
+        return info
+    logger.warning("%s", warning)
+    return info.replace(warnings=(*info.warnings, warning))
+
+
 def _mig_env(info: DistInfo) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES`` narrowed to this local rank's own MIG instance when
     every rank got the whole list (CUDA would show each of them only the first); empty
@@ -213,6 +234,16 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     """
     if _STATE["info"] is not None:
         return _STATE["info"]
+    from hpc.log import held_until_setup
+
+    with held_until_setup():  # its INFO lines, for a setup_logging called after it
+        return _init_torch(backend, seed, timeout, connect_timeout, environ)
+
+
+def _init_torch(backend: Optional[str], seed: Optional[int],
+                timeout: Union[timedelta, float], connect_timeout: Optional[float],
+                environ: Optional[Mapping[str, str]]) -> DistInfo:
+    """:func:`init_torch`'s phases, in call order."""
     import torch.distributed as dist
 
     phases.reset()
@@ -229,7 +260,9 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
     if connect_timeout is None:
         connect_timeout = envvars.value("HPC_CONNECT_TIMEOUT", env)
     with phases.phase("device"):
+        requested = backend
         backend, dev = _pick_device(info, backend)
+        info = _cpu_build(info, requested, dev, env)
     if seed is not None:
         with phases.phase("seed"):
             seed_everything(seed)

@@ -136,6 +136,7 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
                 raise
             _cross_check(candidate, info, env)
             if candidate is TorchrunEnvironment:
+                _check_one_world(info, env)
                 return _container_hook(info, env) or info
             if candidate is LocalEnvironment:
                 _guard_single_process(env)
@@ -191,6 +192,50 @@ def _refuse_hand_set_without_launcher(raw: tuple[str, str], env: Mapping[str, st
         "They were exported by hand; nothing starts the other ranks, so this process "
         "would wait for them until the connect timeout.\n" + no_launcher_hint()
         + " Unset RANK and WORLD_SIZE to run one process.") from cause
+
+
+def _check_one_world(info: DistInfo, env: Mapping[str, str]) -> None:
+    """Refuse a torchrun/``hpc run`` world that holds fewer agents than its srun step.
+
+    ``srun -N2 --ntasks-per-node=1 torchrun --nproc-per-node 2 train.py`` (no
+    ``--nnodes``/rendezvous flags) starts one torchrun per srun task, and each forms a
+    world of its own node: N trainings with a rank 0 each, writing the same files. The
+    agent's variables (``TORCHELASTIC_RUN_ID``/``HPC_RUN_ID``) say how many agents
+    joined this world (``GROUP_WORLD_SIZE``, else ``NNODES``/the node count); the step
+    says how many it started (``SLURM_STEP_NUM_TASKS``). Fewer in the world than in the
+    step means the others are in worlds of their own. ``HPC_LAUNCHER`` skips this.
+    """
+    if "TORCHELASTIC_RUN_ID" not in env and "HPC_RUN_ID" not in env:
+        return  # RANK/WORLD_SIZE not set by an agent: _check_hand_set compares them
+    if not (SlurmEnvironment.detect(env) and in_step(env)):
+        return
+    tasks = (env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "").strip()
+    nodes = (env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "?").strip()
+    agents = env.get("GROUP_WORLD_SIZE", "").strip()
+    joined = int(agents) if agents.isdigit() else info.num_nodes
+    if not tasks.isdigit() or int(tasks) <= joined:
+        return
+    hpc_run = "HPC_RUN_ID" in env
+    name = "hpc run" if hpc_run else "torchrun"
+    said = (f"GROUP_WORLD_SIZE={agents}" if agents.isdigit()
+            else f"NNODES={env.get('NNODES', joined)}")
+    fix = ("`hpc run` is one node only: under srun start the ranks with srun itself "
+           "(srun -N$SLURM_NNODES --ntasks-per-node=<ranks per node> python train.py), or "
+           "use torchrun with a rendezvous" if hpc_run else
+           "give every torchrun the same rendezvous")
+    raise InconsistentEnvironmentError(
+        f"{name} formed a world of {info.world_size} rank(s) on {joined} node(s) "
+        f"(WORLD_SIZE={info.world_size}, {said}) inside a Slurm step of {tasks} tasks on "
+        f"{nodes} node(s) (SLURM_STEP_NUM_TASKS={tasks}, SLURM_STEP_NUM_NODES={nodes}).\n"
+        f"Every srun task started its own {name} and they share no rendezvous (torchrun "
+        "without --nnodes/--rdzv-endpoint), so the step would run independent trainings, "
+        "each with its own rank 0 writing the same files.\n"
+        f"HINT: {fix}: srun -N$SLURM_NNODES --ntasks-per-node=1 torchrun --nnodes "
+        "$SLURM_NNODES --nproc-per-node <ranks per node> --rdzv-backend c10d "
+        "--rdzv-endpoint $(hostname):29500 --rdzv-id $SLURM_JOB_ID train.py from the "
+        "batch script (slurm/torchrun.sbatch does exactly this); HPC_LAUNCHER=torchrun "
+        "accepts separate worlds on purpose."
+    )
 
 
 def _guard_single_process(env: Mapping[str, str]) -> None:

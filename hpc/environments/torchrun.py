@@ -10,6 +10,8 @@ Variables read:
 ``LOCAL_WORLD_SIZE``     processes on this node (torchrun); else ``WORLD_SIZE / NNODES``
 ``GROUP_RANK``           node index (torchrun); ``NODE_RANK`` is accepted too
 ``NNODES``               number of nodes (``hpc run`` and some wrappers)
+``GROUP_WORLD_SIZE``     agents (nodes) in this world (torchrun); under an srun step with
+                         more tasks the step would run several worlds, refused
 ``MASTER_ADDR``          rendezvous host (required)
 ``MASTER_PORT``          rendezvous port (required)
 ``TORCHELASTIC_RUN_ID``  present under torchrun: marks the variables as torchrun's own

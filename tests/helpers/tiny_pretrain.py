@@ -17,7 +17,9 @@ TINY = dict(epochs=2, batch_size=32, width=8, val_archs=2, recal_samples=64, ckp
             progress=False)
 TINY_ARGS = ["--epochs", "2", "--batch-size", "32", "--width", "8", "--val-archs", "2",
              "--recal-samples", "64", "--ckpt-every", "3", "--no-progress"]
-ENV = {"OMP_NUM_THREADS": "1"}  # the same in every run: the reference must match bitwise
+# The same in every run: the reference must match bitwise. HPC_ALLOW_CPU: submit() jobs
+# ask for the test cluster's fake GPUs and train with the CPU torch on purpose.
+ENV = {"OMP_NUM_THREADS": "1", "HPC_ALLOW_CPU": "1"}
 
 
 def train_steps(run_dir: Path) -> list[int]:

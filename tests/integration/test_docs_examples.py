@@ -31,6 +31,10 @@ def check_train_minimal(proc: subprocess.CompletedProcess[str], tmp: Path) -> No
     # Logging on local masters only: one node, so each epoch is logged once, by rank 0.
     epochs = [line for line in proc.stderr.splitlines() if "INFO train_minimal: epoch" in line]
     assert len(epochs) == 3 and all(line.startswith("[rank 0]") for line in epochs), epochs
+    # init_torch's own line, logged before setup_logging ran, is replayed (issue 30)
+    inits = [line for line in proc.stderr.splitlines()
+             if "INFO hpc.bootstrap.distributed: initialised hpc-run rank" in line]
+    assert len(inits) == 1 and inits[0].startswith("[rank 0]"), proc.stderr
     # IO on the global master only.
     assert (tmp / "model.pt").is_file()
     assert proc.stderr.count("INFO train_minimal: saved") == 1
@@ -118,3 +122,30 @@ def test_example_runs_under_hpc_run(path: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr
     check(proc, tmp_path)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_minimal_example_on_two_nodes_shows_the_start_up_lines(job: str, tmp_path: Path
+                                                               ) -> None:
+    """Issue 30: the example calls setup_logging after init_torch, as the docs do; the
+    pre-flight's network line and init's own line (troubleshooting.md tells users to
+    read them) were dropped. Now each node's local master shows them, before epoch 0."""
+    from tests.helpers.slurm import run, slurm_env
+
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", sys.executable,
+                str(ROOT / "docs" / "examples" / "train_minimal.py"), "--epochs", "1"],
+               job, tmp_path, slurm_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+
+    def first(text: str, host: str) -> int:
+        found = [i for i, line in enumerate(lines) if text in line and f" {host}]" in line]
+        assert found, f"no {text!r} line of {host}:\n{proc.stderr}"
+        return found[0]
+
+    for rank, host in enumerate(("node1", "node2")):
+        net = first("INFO hpc.bootstrap.network: network: master node1 ", host)
+        assert "is reachable over" in lines[net], lines[net]
+        init = first(f"INFO hpc.bootstrap.distributed: initialised slurm rank {rank}/2", host)
+        assert net < init < first("INFO train_minimal: epoch 0", host), proc.stderr

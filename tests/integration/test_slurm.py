@@ -158,6 +158,57 @@ def test_template_leading_python_is_hpc_python(template: str, job: str,
 
 # --- srun, salloc + MPI, srun direct MPI launch ----------------------------------------
 
+INIT_ON_GPU_NODE = ("import hpc; info = hpc.init_torch(); "
+                    "print('device', hpc.device(), 'warnings', len(info.warnings), flush=True)")
+
+
+@pytest.mark.timeout(120)
+def test_cpu_torch_with_granted_gpus_is_refused(job: str, tmp_path: Path) -> None:
+    """Issue 30: `srun -N1 -n1 --gpus-per-node=2` with the CPU torch trained on the CPU
+    without a word (device cpu, no warning); now refused, HPC_ALLOW_CPU=1 accepts it."""
+    env = slurm_env()
+    del env["HPC_ALLOW_CPU"]  # slurm_env() accepts the fake GPUs for the other tests
+    argv = ["srun", "-N1", "-n1", "--gpus-per-node=2", PY, "-c", INIT_ON_GPU_NODE]
+    proc = run(argv, job, tmp_path, env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "device cpu" not in out, out
+    import torch
+
+    assert f"torch {torch.__version__} is a CPU-only build" in out, out
+    assert "SLURM_GPUS_ON_NODE=2" in out and "CUDA_VISIBLE_DEVICES=0,1" in out, out
+    assert "HINT: install torch's CUDA build" in out and "HPC_ALLOW_CPU=1" in out, out
+    proc = run(argv, job, tmp_path, dict(env, HPC_ALLOW_CPU="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "device cpu warnings 1" in proc.stdout, out
+    assert out.count("training on the CPU, as HPC_ALLOW_CPU=1 asks") == 1, out
+
+WRITE_AFTER_INIT = """import pathlib, socket, sys
+import hpc
+info = hpc.init_torch()
+if info.is_master:
+    pathlib.Path(sys.argv[1], f"master-{socket.gethostname()}").touch()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_per_srun_task_without_rendezvous_is_refused(job: str, tmp_path: Path
+                                                              ) -> None:
+    """Issue 30: `srun -N2 --ntasks-per-node=1 torchrun --nproc-per-node 2` (no --nnodes or
+    rendezvous) made one world per node, a master on each; now every rank refuses at
+    init, before the script writes anything."""
+    script_path = tmp_path / "train.py"
+    script_path.write_text(WRITE_AFTER_INIT)
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", "-c2", PY, "-m", "torch.distributed.run",
+                "--nproc-per-node", "2", str(script_path), str(tmp_path)],
+               job, tmp_path, slurm_env())
+    out = proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("master-*")) == [], out  # not two masters
+    assert proc.returncode != 0, out
+    fact = ("torchrun formed a world of 2 rank(s) on 1 node(s) (WORLD_SIZE=2, "
+            "GROUP_WORLD_SIZE=1) inside a Slurm step of 2 tasks on 2 node(s)")
+    assert out.count(fact) >= 4, out  # every rank of both worlds
+    assert "--rdzv-endpoint $(hostname):29500" in out and "slurm/torchrun.sbatch" in out
+
 
 @pytest.mark.timeout(120)
 def test_srun_from_login_host(job: str, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 
 from hpc.environments.base import DistInfo
 from hpc.log import setup_logging
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import clean_env
 
 
 def _info(rank: int, local_rank: int) -> DistInfo:
@@ -79,3 +82,57 @@ def test_no_rank_log_without_a_run_directory(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.chdir(tmp_path)
     _console(monkeypatch, _info(1, 1), environ={"HPC_LOG_DIR": "x"}, rank_log_dir="")
     assert not list(tmp_path.iterdir())
+
+
+# --- init_torch before setup_logging (issue 30): its start-up lines are replayed ------
+
+DOCUMENTED_ORDER = """import logging, hpc
+info = hpc.init_torch()
+{setup}
+logging.getLogger("script").warning("script's first line")
+"""
+
+
+def _script(tmp_path: Path, setup: str, **env: str) -> str:
+    """stderr of a one-process script calling init_torch, then ``setup``."""
+    proc = subprocess.run([sys.executable, "-c", DOCUMENTED_ORDER.format(setup=setup)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=clean_env(PYTHONPATH=str(ROOT), HPC_LOG_DIR=str(tmp_path),
+                                        **env))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_init_lines_are_replayed_by_setup_logging_after_init(tmp_path: Path) -> None:
+    """The documented order (init_torch, then setup_logging): before the fix the
+    'initialised ...' line was dropped."""
+    err = _script(tmp_path, "hpc.setup_logging(info)").splitlines()
+    init = [i for i, line in enumerate(err)
+            if "INFO hpc.bootstrap.distributed: initialised local rank 0/1" in line]
+    mine = [i for i, line in enumerate(err) if "script's first line" in line]
+    assert len(init) == 1 and len(mine) == 1 and init[0] < mine[0], err
+    assert "[rank 0/1 " in err[init[0]]  # through setup_logging's own format
+    rank_log = (tmp_path / "rank0.log").read_text()
+    assert rank_log.index("initialised local rank 0/1") < rank_log.index("script's first")
+
+
+def test_held_warning_is_shown_once(tmp_path: Path) -> None:
+    """A warning of init is printed when it happens (as before) and not again by the
+    replay; the rank's file gets it too."""
+    gpus = dict(CUDA_VISIBLE_DEVICES="0,1", HPC_ALLOW_CPU="1")
+    for setup in ("hpc.setup_logging(info)", "pass"):
+        err = _script(tmp_path, setup, **gpus)
+        assert err.count("training on the CPU, as HPC_ALLOW_CPU=1 asks") == 1, err
+    assert "initialised" not in err  # no setup_logging: INFO stays silent, as before
+    assert "HPC_ALLOW_CPU=1 asks" in (tmp_path / "rank0.log").read_text()
+
+
+def test_nothing_held_when_logging_is_configured(tmp_path: Path) -> None:
+    """logging.basicConfig before init_torch: the records go there, live, once."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "import hpc; info = hpc.init_torch(); hpc.setup_logging(info)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("initialised local rank 0/1") == 1, proc.stderr
+    assert "INFO:hpc.bootstrap.distributed:initialised" in proc.stderr  # basicConfig's

@@ -176,7 +176,10 @@ def test_enroot_hook_without_step_agreement_is_still_refused() -> None:
 
 def test_torchrun_agent_inside_srun_is_not_a_hook() -> None:
     env = enroot_hook(task("srun_from_login_env.txt", 1))
-    env.update(TORCHELASTIC_RUN_ID="r1", LOCAL_WORLD_SIZE="4", GROUP_RANK="0")
+    # one agent per srun task, 4 in one rendezvous (a one-node world of 4 workers per
+    # agent would be 4 separate worlds in this 4-task step, refused)
+    env.update(TORCHELASTIC_RUN_ID="r1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
+               GROUP_WORLD_SIZE="4")
     assert detect(env).launcher == "torchrun"
 
 

@@ -53,6 +53,9 @@ EXPECTED: dict[str, dict[str, Any]] = {
     # torchrun inside srun: the workers' variables win; the master is the agents' store.
     "srun_torchrun_env.txt": dict(launcher="torchrun", world=4, nodes=2, master="node1",
                                   port=38097, job_id="envdump"),
+    # torchrun inside srun WITHOUT --nnodes/rendezvous (issue 30): one 2-rank world per
+    # node, two rank 0s; 4 blocks, every one refused by detect.
+    "srun_torchrun_no_rdzv_env.txt": dict(launcher="torchrun", world=4, refused=True),
     # Issue 13: launchers that cannot run here, fixtures built from their documentation
     # (tests/fixtures/env/README.md cites it); the master is found at init (master hook).
     "pals_mpiexec_env.txt": dict(launcher="pals", world=4, nodes=2, master=None, port=None,
@@ -65,7 +68,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "salloc_shell_env.txt": dict(launcher="slurm", world=1, nodes=1, master="127.0.0.1",
                                  port=15000 + (61 * 64 + 4094) % 17000, job_id="61.batch"),
 }
-MULTI_RANK = sorted(n for n, e in EXPECTED.items() if e["world"] > 1)
+MULTI_RANK = sorted(n for n, e in EXPECTED.items() if e["world"] > 1 and not e.get("refused"))
 
 
 def srun_task(rank: int, name: str = "srun_from_login_env.txt") -> dict[str, str]:
@@ -263,14 +266,74 @@ def test_hpc_run_marker() -> None:
 
 
 def test_torchrun_inside_srun_wins() -> None:
-    """srun -N2 --ntasks-per-node=1 torchrun --nproc-per-node 2: worker 3 on node2."""
-    env = srun_task(2)  # node2's task: SLURM_PROCID=2 of the (4-task) step
+    """srun -N2 --ntasks-per-node=1 torchrun --nnodes 2 --nproc-per-node 2 --rdzv-...:
+    worker 3 on node2."""
+    env = srun_task(2)  # node2's task of the dump's 4-task step, made the 2-task step
+    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_PROCID="1",
+               SLURM_LOCALID="0")
     env.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                GROUP_RANK="1", MASTER_ADDR="node1", MASTER_PORT="29400",
                TORCHELASTIC_RUN_ID="job31")
     info = detect(env)
     assert (info.launcher, info.rank, info.local_rank, info.node_rank) == ("torchrun", 3, 1, 1)
     assert (info.master_addr, info.master_port) == ("node1", 29400)
+
+
+def test_torchrun_without_rendezvous_under_srun_is_refused_on_every_rank() -> None:
+    """The real dump of ``srun -N2 --ntasks-per-node=1 torchrun --nproc-per-node 2``: each
+    node's torchrun formed its own world (GROUP_WORLD_SIZE=1, a rank 0 on each node)."""
+    blocks = load("srun_torchrun_no_rdzv_env.txt")
+    assert [parse_header(label).rank for label, _ in blocks] == [0, 1, 0, 1]  # two rank 0s
+    for label, env in blocks:
+        with pytest.raises(InconsistentEnvironmentError) as e:
+            detect(env)
+        text = message(e)
+        assert text.startswith("torchrun formed a world of 2 rank(s) on 1 node(s) "
+                               "(WORLD_SIZE=2, GROUP_WORLD_SIZE=1) inside a Slurm step of 2 "
+                               "tasks on 2 node(s)"), label
+        hint = text.split("HINT: ", 1)[1]
+        assert "--nnodes $SLURM_NNODES" in hint and "--rdzv-endpoint $(hostname):29500" in hint
+        assert "slurm/torchrun.sbatch" in hint and "HPC_LAUNCHER=torchrun" in hint
+        # the escape hatch: HPC_LAUNCHER=torchrun takes the variables as they are
+        assert detect({**env, "HPC_LAUNCHER": "torchrun"}).world_size == 2
+
+
+def test_torchrun_with_rendezvous_under_srun_is_one_world() -> None:
+    """The legit launch (torchrun.sbatch's): GROUP_WORLD_SIZE equals the step's tasks."""
+    for _, env in load("srun_torchrun_env.txt"):
+        assert env["GROUP_WORLD_SIZE"] == env["SLURM_STEP_NUM_TASKS"] == "2"
+        assert detect(env).world_size == 4
+
+
+def test_one_torchrun_per_step_is_one_world() -> None:
+    """``srun -N1 -n1 torchrun --nproc-per-node 2`` (or torchrun in the batch script): the
+    step started one agent, so a one-node world is all of it."""
+    env = srun_task(0)
+    env.update(SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NUM_NODES="1", SLURM_NTASKS="1",
+               SLURM_STEP_TASKS_PER_NODE="1", SLURM_STEP_NODELIST="node1", RANK="1",
+               WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+               GROUP_WORLD_SIZE="1", MASTER_ADDR="node1", MASTER_PORT="29500",
+               TORCHELASTIC_RUN_ID="x")
+    assert detect(env).world_size == 2
+    batch = dict(load("sbatch_batchstep_env.txt")[0][1])  # no SLURM_STEP_ID: no step
+    batch.update({k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                      "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+                                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")})
+    assert detect(batch).world_size == 2
+
+
+def test_hpc_run_per_srun_task_is_refused() -> None:
+    """``srun -N2 --ntasks-per-node=1 hpc run --nproc 2``: hpc run is one node, NNODES=1."""
+    env = srun_task(2)
+    env.update(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_PROCID="1",
+               RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+               GROUP_RANK="0", NNODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+               HPC_RUN_ID="r1")
+    with pytest.raises(InconsistentEnvironmentError) as e:
+        detect(env)
+    assert message(e).startswith("hpc run formed a world of 2 rank(s) on 1 node(s) "
+                                 "(WORLD_SIZE=2, NNODES=1)")
+    assert "`hpc run` is one node only" in message(e)
 
 
 def test_hand_set_rank_contradicting_slurm() -> None:
@@ -539,7 +602,8 @@ def test_mapping_is_the_only_input(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_detect_does_not_import_mpi4py() -> None:
-    envs = [env for path in dump_files() for _, env in load(path.name)]
+    envs = [env for path in dump_files() if not EXPECTED[path.name].get("refused")
+            for _, env in load(path.name)]
     code = (
         "import json, sys\n"
         "from hpc.environments import detect\n"
