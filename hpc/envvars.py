@@ -175,6 +175,10 @@ VARIABLES: dict[str, Variable] = _table(
     Variable("HPC_WATCHDOG", _switch, "1 or 0 (also on/off, true/false, yes/no)", True, "1",
              "0 turns the post-init watchdog off: no collective tracking, no stuck-rank "
              "report, no ending of the job when one rank fails"),
+    Variable("HPC_ALLOW_CPU", _choice("0", "1"), "1 or 0", "0", "0",
+             "1: a CPU-only torch may train where GPUs were granted (with a warning in "
+             "info.warnings); 0 or unset: hpc.init_torch refuses, naming the torch build "
+             "and the fix", error=LaunchEnvironmentError, choices=("0", "1")),
     Variable("HPC_SYNC_SHM", _switch, "1 or 0 (also on/off, true/false, yes/no)", True, "1",
              "0 turns off the shared-memory exchange of hpc.sync_gradients, used when "
              "every rank of the group is on one host with CPU parameters"),

@@ -31,6 +31,7 @@ import glob
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+from hpc import envvars
 from hpc.errors import LaunchEnvironmentError
 
 __all__ = ["ALLOW_VARIABLE", "GRANT_VARIABLES", "check", "granted_gpus", "is_cpu_build"]
@@ -79,13 +80,7 @@ def check(version: str, cuda: Optional[str], hip: Optional[str],
         LaunchEnvironmentError: GPUs were granted to a CPU-only torch, or
             ``HPC_ALLOW_CPU`` is neither ``0`` nor ``1``.
     """
-    allow = environ.get(ALLOW_VARIABLE, "").strip()
-    if allow not in ("", "0", "1"):
-        raise LaunchEnvironmentError(
-            f"{ALLOW_VARIABLE}={allow!r} is not 0 or 1.\n"
-            f"{ALLOW_VARIABLE} says whether a CPU-only torch may train on a node that was "
-            "granted GPUs.\n"
-            f"HINT: export {ALLOW_VARIABLE}=1 to accept training on the CPU, or unset it.")
+    allow = envvars.value(ALLOW_VARIABLE, environ)  # the table's parse and error
     if not is_cpu_build(cuda, hip):
         return None
     granted = granted_gpus(environ, device_files)

@@ -27,6 +27,7 @@ TYPOS = {
     "HPC_PREEMPT_SIGNALS": "USR3",
     "HPC_MAX_REQUEUES": "three",
     "HPC_STEP_HOOK": "mypkg.hooks.on_step",
+    "HPC_ALLOW_CPU": "yes",
 }
 #: Variables whose value is any text (a path, an id): nothing to get wrong in the form.
 FREE_TEXT = {"HPC_LOG_DIR", "HPC_ERROR_DIR", "HPC_RUN_ID", "HPC_PYTHON", "HPC_STOP_FILE",
@@ -43,7 +44,7 @@ ACCEPTED = [
     ("HPC_PREEMPT_SIGNALS", "usr1, SIGHUP,USR1", (signal.SIGUSR1, signal.SIGHUP)),
     ("HPC_MAX_REQUEUES", "0", 0), ("HPC_MAX_REQUEUES", "3", 3),
     ("HPC_STEP_HOOK", "mypkg.hooks:on_step", "mypkg.hooks:on_step"),
-    ("HPC_LOG_DIR", "/tmp/x", "/tmp/x"),
+    ("HPC_LOG_DIR", "/tmp/x", "/tmp/x"), ("HPC_ALLOW_CPU", "1", "1"),
 ]
 
 

@@ -10,6 +10,7 @@ import pytest
 from hpc.cli.env import find_mismatches
 from hpc.environments import detect
 from hpc.environments.base import DistInfo
+from hpc.errors import InconsistentEnvironmentError
 from hpc.launch import loopback_interface, rank_env, resolve_command
 from tests.helpers.envdumps import load
 
@@ -56,10 +57,19 @@ def test_loopback_interface_exists_on_linux() -> None:
 
 
 def test_rank_env_inside_slurm_is_not_an_inconsistency() -> None:
-    """``hpc run`` inside an srun task: its ranks carry the task's SLURM_* too."""
-    task = load("srun_from_login_env.txt")[1][1]
+    """``hpc run`` inside a one-task srun step: its ranks carry the task's SLURM_* too."""
+    task = dict(load("srun_from_login_env.txt")[1][1], SLURM_STEP_NUM_TASKS="1",
+                SLURM_NTASKS="1", SLURM_STEP_NUM_NODES="1", SLURM_NNODES="1")
     info = detect(rank_env(3, 4, 29555, "run1", base=task))
     assert (info.launcher, info.rank, info.world_size) == ("hpc-run", 3, 4)
+
+
+def test_hpc_run_in_every_task_of_a_four_task_step_is_refused() -> None:
+    """The same in each task of ``srun -N2 -n4``: four worlds, each with a rank 0."""
+    task = load("srun_from_login_env.txt")[1][1]
+    with pytest.raises(InconsistentEnvironmentError, match="Every srun task started its own "
+                       "hpc run"):
+        detect(rank_env(3, 4, 29555, "run1", base=task))
 
 
 PY = "/venv/bin/python"
