@@ -73,7 +73,7 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     job_env = slurm_env(**ENV, **slowed(0.5, runs=2))
     job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "bash", "-c", ranks], tmp_path, job_env,
                      cancel_after)
-    log = tmp_path / f"hpc-pretrain-{job_id}.out"
+    log = tmp_path / f"hpc-srun-{job_id}.out"
     ckpts = out / "checkpoints"
 
     until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
@@ -143,7 +143,7 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
            job_id)
     urgent = preempt(tmp_path, env, cancel_after)
     last = jobwatch.wait(job_id, timeout=200)
-    text = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
+    text = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
     history = sacct_history([job_id, urgent])
     show = subprocess.run(["scontrol", "show", "job", job_id], check=False,
                           capture_output=True, text=True, timeout=20).stdout

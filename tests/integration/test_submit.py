@@ -210,7 +210,7 @@ def test_sbatch_template_requeues_with_scontrol_and_resumes_exactly(
     wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job_id)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=20)
     last = jobwatch.wait(job_id, timeout=180)
-    log = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
+    log = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
     assert last.word == "COMPLETED", log[-4000:]
     stopped = stop_step(out)
     # one INFO line, once scontrol did it; a requeue is not a failure
