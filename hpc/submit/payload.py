@@ -129,7 +129,6 @@ class PretrainJob(_Requeueable):
             result.step, result.checkpoint, rank=info.rank, signame=guard.signal_name,
             before_requeue=self._write_resubmission if info.rank == 0 else None)
         if outcome.kind == "requeued":
-            close_before_failing_exit()  # Slurm's SIGTERM after the requeue: not 'Terminated'
             sys.exit(EXIT_REQUEUED)  # SystemExit: submitit writes no result; the job reruns
         if outcome.kind == "not-slurm":
             return result
