@@ -108,7 +108,12 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
         return _failing(type(e).__name__)
     position, limit, checkpoint = progress(result, cfg)
     if stopped_by_request(result.status, position, limit):
-        return stop.exit_code(position, checkpoint, stopped=True)
+        code = stop.exit_code(position, checkpoint, stopped=True)
+        if code:  # 75 after a requeue: Slurm's SIGTERM to the job must not kill the exit
+            from hpc.preempt.requeue import close_before_failing_exit
+
+            close_before_failing_exit()
+        return code
     if result.status not in ("completed", "stopped"):
         return _failing(f"{command} {result.status}")
     return 0

@@ -185,8 +185,6 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
             f"{budget.max_requeues}.\nThe requeue budget stops endless preemption loops.\n"
             "HINT: resubmit the same command (it resumes from the run directory), or raise "
             "HPC_MAX_REQUEUES / hpc submit --max-requeues."))
-    logger.warning("stopped at step %d on %s; %s; requeueing job %s (restart %d of %d)",
-                   step, signame, where, job, budget.restarts + 1, budget.max_requeues)
     try:
         if before_requeue is not None:
             before_requeue()
@@ -232,7 +230,8 @@ def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,
 
     Call it on every rank, after the checkpoint of ``step`` was written. Rank 0 checks
     the budget, calls ``before_requeue`` and runs ``scontrol requeue``; the outcome is
-    then broadcast, so no rank exits before the job is requeued. The master logs it.
+    then broadcast, so no rank exits before the job is requeued. The master logs it
+    once it happened: one INFO line after a requeue, an ERROR when none was possible.
 
     Args:
         step: The step the run stopped after.
@@ -247,7 +246,10 @@ def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,
         The same :class:`Outcome` on every rank.
     """
     env = os.environ if environ is None else environ
-    outcome = _decide(step, checkpoint, signame, before_requeue, env) if rank == 0 else None
+    outcome = None
+    if rank == 0:
+        outcome = _decide(step, checkpoint, signame, before_requeue, env)
+        _log(outcome)  # at once: Slurm ends the step soon after a requeue
     from hpc.sync.agree import broadcast_object, world  # torch: only after the stop
 
     if world()[1] > 1:
@@ -257,9 +259,14 @@ def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,
         outcome = Outcome("failed", 1, f"rank {rank}: no process group to learn the "
                           "master's requeue outcome.\nHINT: call it on every rank after "
                           "hpc.init_torch().")
-    if rank == 0:
-        log = logger.warning if outcome.kind == "requeued" else (
-            logger.info if outcome.kind == "not-slurm" else logger.error)
-        log("%s", outcome.message)
-        sys.stderr.flush()
     return outcome
+
+
+def _log(outcome: Outcome) -> None:
+    """The master's one line on the outcome, once it happened: a requeue is a normal
+    event (INFO), so is a stop outside Slurm; a requeue that did not happen is an error
+    (with scontrol's own words when it failed)."""
+    log = logger.info if outcome.kind in ("requeued", "not-slurm") else logger.error
+    log("%s", outcome.message)
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -17,7 +17,9 @@ used up, which makes submitit give up instead of requeueing).
 - :class:`ModuleJob` and :class:`FunctionJob` keep submitit's own handler (bound to
   ``SUBMITIT_PREEMPT_SIGNAL``, which ``hpc submit`` sets to the chosen signal): on the
   signal the master resubmits the same call and requeues at once; the program must resume
-  from its own checkpoints.
+  from its own checkpoints. A program with its own :class:`~hpc.preempt.stop.AgreedStop`
+  replaces that handler, requeues the job itself and exits 75, which the job passes on
+  as its exit (no result, no error: the requeued job runs the same call again).
 
 This module imports submitit: only jobs and ``hpc submit`` import it.
 """
@@ -161,8 +163,12 @@ def _exit_code(e: SystemExit) -> int:
 class ModuleJob(_Requeueable):
     """``python -m module args...`` in-process (``runpy``, ``sys.argv`` set); returns 0.
 
+    A module that exits with :data:`~hpc.preempt.requeue.EXIT_REQUEUED` (its
+    :class:`~hpc.preempt.stop.AgreedStop` requeued the job) exits with it too: no
+    result and no error, so the requeued job runs the same call again.
+
     Raises:
-        SubmitError: the module exits with a non-zero status.
+        SubmitError: the module exits with another non-zero status.
     """
 
     def __init__(self, module: str, args: Sequence[str] = ()) -> None:
@@ -175,6 +181,8 @@ class ModuleJob(_Requeueable):
             runpy.run_module(self.module, run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = _exit_code(e)
+            if code == EXIT_REQUEUED:  # a normal event: SystemExit, which submitit passes on
+                sys.exit(EXIT_REQUEUED)
             if code:
                 raise SubmitError(f"`python -m {self.module}` exited with status {code}.\n"
                                   "HINT: see this task's log for its error.") from None

@@ -1,10 +1,13 @@
 """Failure marks: when did this rank start failing, and why.
 
 A launcher that sets ``HPC_ERROR_DIR`` (``hpc run`` does) learns, for each rank, the
-moment its failure began (an uncaught exception, or the start of a non-zero exit),
-written before the rank's sockets close. Ranks that fail *because* a peer died
-("Connection closed by peer") fail later, so the earliest mark is the root cause, as in
-torchrun's error files.
+moment its failure began (an uncaught exception, or the start of the exit of a process
+that :func:`note_failure` marked as failing), written before the rank's sockets close.
+Ranks that fail *because* a peer died ("Connection closed by peer") fail later, so the
+earliest mark is the root cause, as in torchrun's error files. A rank that did not fail
+(a clean end, or the agreed exit 75 after a requeue) leaves no mark. A process cannot
+see its own exit status, so a bare ``sys.exit(3)`` without :func:`note_failure` leaves
+none either: the launcher's own report of that rank (srun's ``task N: Exited``) counts.
 
 A rank killed by a signal runs no Python at all: an NCCL watchdog timeout calls
 ``std::abort()`` (SIGABRT) from a C++ thread. For that case :func:`install` points
@@ -42,8 +45,8 @@ from hpc import envvars
 __all__ = ["GENERIC_MESSAGE", "FirstFailure", "describe_failure", "failed", "first_by_marks",
            "first_failure", "install", "note_failure", "read_mark", "watch", "write_mark"]
 
-#: The message of a mark written at exit (any exit: the launcher reads it only for
-#: ranks that failed, or that are still exiting when it chooses the root cause).
+#: The message of a mark written at the exit of a process marked as failing
+#: (:func:`note_failure`) that said nothing more (no uncaught exception).
 GENERIC_MESSAGE = "exited with a non-zero code"
 
 _INSTALLED: dict[str, bool] = {}
@@ -104,6 +107,15 @@ def write_mark(directory: str, rank: int, message: str, when: float | None = Non
         pass
 
 
+def _mark_failing_exit(path: Path) -> None:
+    """At exit: the generic mark, if this process is failing (:func:`failed`)."""
+    if failed():
+        try:
+            _write(path, GENERIC_MESSAGE)
+        except OSError:
+            pass
+
+
 def install(rank: int, environ: dict[str, str] | None = None) -> None:
     """Record when this rank began to fail under ``$HPC_ERROR_DIR/<rank>.json``.
 
@@ -130,9 +142,11 @@ def install(rank: int, environ: dict[str, str] | None = None) -> None:
 
     sys.excepthook = hook
     # SystemExit(3) never reaches the excepthook and atexit cannot see the exit code:
-    # mark the start of every exit; the launcher reads marks of failed ranks only.
-    # Registered after the teardown handler, so it runs before the group is destroyed.
-    atexit.register(_write, path, GENERIC_MESSAGE)
+    # mark the start of the exit of a process that noted its failure (hpc's entry points
+    # do before they return non-zero), and of no other: a clean run and the agreed exit
+    # after a requeue leave no mark. Registered after the teardown handler, so it runs
+    # before the group is destroyed.
+    atexit.register(_mark_failing_exit, path)
     if not faulthandler.is_enabled():
         try:
             fault = open(Path(directory) / f"{rank}.fault", "w")  # noqa: SIM115

@@ -18,7 +18,8 @@
 #   LAUNCHER ... &                    the step, in the background (not exec)
 #   hpc_preempt_wait $!               wait for it through the signals; RC = its status
 #   ...                               what must run before the job ends (a requeue may
-#                                     end this shell at once)
+#                                     end this shell at once); hpc_preempt_requeued
+#                                     tells a requeue (a normal end) from a failure
 #   hpc_preempt_requeue               requeue if the ranks asked for it
 #   exit "$RC"
 
@@ -60,13 +61,28 @@ hpc_preempt_wait() {
     if [ "$hpc_preempt_stop_file" = 1 ]; then rm -f "$HPC_STOP_FILE"; fi
 }
 
+# True when the step ended with the ranks' agreed exit after a requeue: every rank exits
+# 75 (EX_TEMPFAIL, hpc.preempt.requeue.EXIT_REQUEUED) once the job is requeued, or handed
+# to this shell to requeue. A normal end, not a failure to report.
+hpc_preempt_requeued() {
+    [ "${RC:-}" = 75 ]
+}
+
 # After the step: requeue the job named in the marker (rank 0 writes it when it has no
-# scontrol where it runs).
+# scontrol where it runs). Says so once scontrol did it; when it failed, prints
+# scontrol's words and sets RC=1 (the job ends failed, not requeued).
 hpc_preempt_requeue() {
     if [ -s "$HPC_REQUEUE_MARKER" ]; then
-        local job
+        local job said status=0
         job=$(cat "$HPC_REQUEUE_MARKER"); rm -f "$HPC_REQUEUE_MARKER"
-        echo "hpc: requeueing job ${job} for the ranks (no scontrol where they run)"
-        scontrol requeue "$job"
+        said=$(scontrol requeue "$job" 2>&1) || status=$?
+        if [ "$status" = 0 ]; then
+            echo "hpc: requeued job ${job} for the ranks (no scontrol where they run)"
+        else
+            echo "hpc: \`scontrol requeue ${job}\` failed: ${said:-exit status $status}" >&2
+            echo "The ranks checkpointed and asked this batch shell to requeue the job; only batch jobs that allow requeueing can be requeued." >&2
+            echo "HINT: submit with sbatch --requeue (the templates ask for it), or resubmit the same command: it resumes from the run directory." >&2
+            RC=1
+        fi
     fi
 }

@@ -38,3 +38,16 @@ def sacct_history(job_ids: list[str]) -> str:
     return subprocess.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P",
                            "-o", "JobID,Partition,State,ExitCode,Start,End"],
                           check=False, capture_output=True, text=True, timeout=30).stdout
+
+
+def assert_no_failure_marks(job_dir: Path) -> None:
+    """No rank of any run of the job left a failure mark in ``job_dir/failures-*/``: a
+    clean run and the agreed exit 75 after a requeue are not failures."""
+    from hpc.watchdog.failure import read_mark
+
+    runs = sorted(job_dir.glob("failures-*"))
+    assert runs, f"no failures-<restart>/ in {job_dir}: the test looks in the wrong place"
+    marks = {f"{d.name}/{p.name}": read_mark(str(d), int(p.stem)) for d in runs
+             for p in d.iterdir() if p.stem.isdigit()}
+    marked = {name: mark for name, mark in marks.items() if mark is not None}
+    assert not marked, f"failure marks after a run that did not fail: {marked}"

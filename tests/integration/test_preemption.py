@@ -33,7 +33,7 @@ import pytest
 
 from hpc.submit import watch as jobwatch
 from tests.helpers.paths import ROOT
-from tests.helpers.preemption import preempt, sacct_history
+from tests.helpers.preemption import assert_no_failure_marks, preempt, sacct_history
 from tests.helpers.slurm import sbatch_nowait, sbatch_wait, slurm_env, until
 from tests.helpers.step_hooks import slowed
 from tests.helpers.tiny_pretrain import (
@@ -58,9 +58,10 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
         preemption_partitions: None, tmp_path: Path, cancel_after: list[str]) -> None:
     env = slurm_env(**ENV)
     ref = tmp_path / "reference"
-    job_id, rc, text = sbatch_wait(["-p", "debug", TEMPLATE, *TINY_ARGS, "--out", str(ref)],
+    ref_id, rc, text = sbatch_wait(["-p", "debug", TEMPLATE, *TINY_ARGS, "--out", str(ref)],
                                    tmp_path, timeout=180, env=env)
     assert rc == 0, text[-3000:]
+    assert_no_failure_marks(tmp_path / "hpc-logs" / str(ref_id))  # a clean run: none
 
     # Run 0 sees no scontrol (PATH = the venv's bin only); later runs see the normal PATH.
     venv_bin = str(Path(sys.executable).parent)
@@ -72,7 +73,7 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     job_env = slurm_env(**ENV, **slowed(0.5, runs=2))
     job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "bash", "-c", ranks], tmp_path, job_env,
                      cancel_after)
-    log = tmp_path / f"hpc-pretrain-{job_id}.out"
+    log = tmp_path / f"hpc-srun-{job_id}.out"
     ckpts = out / "checkpoints"
 
     until("checkpoint 6", lambda: (ckpts / "ckpt-00000006.pt").exists(), job_id)
@@ -91,10 +92,14 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
 
     # one line per node (local rank 0) per preemption
     assert text.count("got SIGTERM: stopping at the next step boundary") == 4, text[-4000:]
-    assert text.count("on SIGTERM; ") == 2  # "stopped at step N on SIGTERM; checkpoint ..."
+    # one INFO line per requeue, said once it happened ("requeued job N ... (SIGTERM; ...")
+    assert text.count(f"INFO hpc.preempt.requeue: requeued job {job_id} ") == 2, text[-4000:]
+    assert text.count("(SIGTERM; checkpoint ") == 2
     assert f"requeued job {job_id} (scontrol is missing here: the batch shell" in text
-    assert f"hpc: requeueing job {job_id} for the ranks (no scontrol" in text
-    assert f"requeueing job {job_id} (restart 2 of" in text  # run 1: scontrol by rank 0
+    assert f"hpc: requeued job {job_id} for the ranks (no scontrol" in text
+    assert "; restart 2 of at most 3 resumes from it" in text  # run 1: scontrol by rank 0
+    assert "requeueing" not in text and "first failure" not in text, text[-4000:]
+    assert_no_failure_marks(tmp_path / "hpc-logs" / job_id)  # requeued twice, completed
     assert text.count(f"resumed from {ckpts}/ckpt-") == 2
     runs = [r.word for r in jobwatch.history(job_id)]
     assert runs == ["REQUEUED", "REQUEUED", "COMPLETED"], (runs, history)  # once each time
@@ -138,7 +143,7 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
            job_id)
     urgent = preempt(tmp_path, env, cancel_after)
     last = jobwatch.wait(job_id, timeout=200)
-    text = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
+    text = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
     history = sacct_history([job_id, urgent])
     show = subprocess.run(["scontrol", "show", "job", job_id], check=False,
                           capture_output=True, text=True, timeout=20).stdout
@@ -150,7 +155,10 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
     stops = re.findall(r"rank (\d): stopped at step (\d+)", text)
     assert sorted(r for r, _ in stops) == ["0", "1", "2", "3"], text[-4000:]
     (stop_step,) = {s for _, s in stops}  # every rank at the same step
-    assert f"requeueing job {job_id} (restart 1 of" in text
+    assert f"requeued job {job_id} after step {stop_step} (SIGTERM; " in text
+    assert "requeueing" not in text and "first failure" not in text, text[-4000:]
+    assert_no_failure_marks(tmp_path / "hpc-logs" / job_id)
+    assert_no_failure_marks(tmp_path / "hpc-logs" / str(ref_id))
     assert f"resumed from {out}/checkpoints/ckpt-{int(stop_step):08d}.pt" in text
     runs = [r.word for r in jobwatch.history(job_id)]
     assert runs == ["REQUEUED", "COMPLETED"], (runs, history)  # requeued exactly once

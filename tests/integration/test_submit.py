@@ -26,6 +26,7 @@ import pytest
 
 from tests.conftest import LAUNCHER_VARS
 from tests.helpers.paths import ROOT
+from tests.helpers.preemption import assert_no_failure_marks
 from tests.helpers.requires import in_ci
 from tests.helpers.slurm import slurm_env, wait_for_file
 from tests.helpers.step_hooks import slowed
@@ -101,6 +102,7 @@ def test_submitit_job_runs_pretrain_and_returns_its_result(reference: Any) -> No
     assert result.world_size == 4 and len(result.val_acc) == 2
     assert result.resumed_from is None
     assert [r.word for r in job.history()] == ["COMPLETED"]
+    assert_no_failure_marks(run_dir.parent / "logs" / job.job_id)  # a clean run: none
     ranks = job.results(timeout=30)
     assert len(ranks) == 4 and {r.step for r in ranks} == {STEPS}
     assert {tuple(r.val_acc) for r in ranks} == {tuple(result.val_acc)}
@@ -125,11 +127,12 @@ def test_usr2_checkpoints_requeues_and_resumes_exactly(reference: Any, tmp_path:
     runs = assert_requeued_once_or_more(job.job_id)
     assert len(runs) == 2
     log = job.logs(0)[1].read_text()
-    # Logged before `scontrol requeue`: the "requeued job" line that follows it can be
-    # cut off when Slurm ends the step first.
-    assert f"stopped at step {stopped} on SIGUSR2" in log
-    assert f"requeueing job {job.job_id} (restart 1 of" in log
+    # one INFO line, logged as soon as scontrol requeued the job (before Slurm ends the step)
+    assert log.count(f"INFO hpc.preempt.requeue: requeued job {job.job_id} after step "
+                     f"{stopped} (SIGUSR2; ") == 1, log[-3000:]
+    assert "requeueing" not in log and "Traceback" not in log, log[-3000:]
     assert "DUE TO JOB REQUEUE" in log  # the log was appended to, not truncated
+    assert_no_failure_marks(tmp_path / "logs" / job.job_id)
     assert_each_step_once(out)
     assert_same_final_weights(out, reference[0])
     assert_sacct_as_documented(job.job_id)
@@ -207,13 +210,14 @@ def test_sbatch_template_requeues_with_scontrol_and_resumes_exactly(
     wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job_id)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=20)
     last = jobwatch.wait(job_id, timeout=180)
-    log = (tmp_path / f"hpc-pretrain-{job_id}.out").read_text()
+    log = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
     assert last.word == "COMPLETED", log[-4000:]
     stopped = stop_step(out)
-    # Logged before `scontrol requeue`: the "requeued job" line that follows it can be
-    # cut off when Slurm ends the step first.
-    assert f"stopped at step {stopped} on SIGUSR2" in log
-    assert f"requeueing job {job_id} (restart 1 of" in log
+    # one INFO line, once scontrol did it; a requeue is not a failure
+    assert log.count(f"INFO hpc.preempt.requeue: requeued job {job_id} after step "
+                     f"{stopped} (SIGUSR2; ") == 1, log[-3000:]
+    assert "requeueing" not in log and "first failure" not in log, log[-3000:]
+    assert_no_failure_marks(tmp_path / "hpc-logs" / job_id)
     assert log.count(f"hpc: job {job_id} on") == 2  # both runs appended to one log
     assert f"resumed from {out}/checkpoints/ckpt-{stopped:08d}.pt" in log
     assert len(assert_requeued_once_or_more(job_id)) == 2

@@ -114,9 +114,29 @@ def test_preempt_block_outlives_the_signal_tells_the_ranks_and_requeues(
     assert shell.returncode == 3 and "RC=3" in out, (out, err)  # the step's status
     assert f"hpc: batch shell got SIG{signame}: told the ranks ({stop_file})" in err
     assert (tmp_path / "step-saw").read_text().strip() == signame
-    assert "hpc: requeueing job 42 for the ranks (no scontrol where they run)" in out
+    # said once it is done, not before scontrol ran
+    assert "hpc: requeued job 42 for the ranks (no scontrol where they run)" in out
+    assert "requeueing" not in out + err
     assert (tmp_path / "calls").read_text() == "requeue 42\n"
     assert not stop_file.exists() and not (tmp_path / ".hpc-requeue-42").exists()
+
+
+def test_preempt_block_names_scontrols_error_when_its_requeue_fails(tmp_path: Path) -> None:
+    shell = _batch_shell(tmp_path, "hpc_preempt_setup")
+    (tmp_path / "scontrol").write_text(  # what scontrol says for a job it cannot requeue
+        '#!/bin/sh\necho "Requested operation is presently disabled for job $2" >&2\nexit 1\n')
+    try:
+        _until((tmp_path / "started").exists, "the step did not start")
+        (tmp_path / "go").touch()
+        out, _ = shell.communicate(timeout=20)
+    finally:
+        shell.kill()
+    err = (tmp_path / "err").read_text()
+    assert shell.returncode == 1, (out, err)  # the job failed: it was not requeued
+    assert "hpc: requeued" not in out + err and "hpc: requeueing" not in out + err, (out, err)
+    assert ("hpc: `scontrol requeue 42` failed: Requested operation is presently disabled "
+            "for job 42") in err, err
+    assert "HINT: " in err, err
 
 
 def test_preempt_block_without_stop_file_only_waits(tmp_path: Path) -> None:
@@ -135,6 +155,34 @@ def test_preempt_block_without_stop_file_only_waits(tmp_path: Path) -> None:
     assert "hpc: batch shell got SIGTERM: waiting for the ranks to checkpoint" in err
     assert (tmp_path / "step-stop-file").read_text().strip() == "unset"
     assert (tmp_path / "calls").read_text() == "requeue 42\n"
+
+
+#: srun that exits with $FAKE_SRUN_RC, and a Python that only records what it ran.
+FAKE_STEP = '#!/bin/sh\necho "srun: error: node1: task 0: Exited with exit code $FAKE_SRUN_RC"\n' \
+    'exit "$FAKE_SRUN_RC"\n'
+FAKE_PYTHON = '#!/bin/sh\necho "PYTHON $*"\n'
+
+
+@pytest.mark.parametrize("status, reported", [(75, False), (1, True), (0, False)],
+                         ids=["requeued", "failed", "completed"])
+def test_pretrain_template_reports_a_first_failure_only_for_a_failed_step(
+        tmp_path: Path, status: int, reported: bool) -> None:
+    """75 is every rank's agreed exit after a requeue: a normal end, not a failure."""
+    for name, text in (("srun", FAKE_STEP), ("python", FAKE_PYTHON), ("scontrol", "")):
+        (tmp_path / name).write_text(text or "#!/bin/sh\nexit 1\n")
+        (tmp_path / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node[1-2]", SLURM_SUBMIT_DIR=str(tmp_path),
+               HPC_PYTHON=str(tmp_path / "python"), FAKE_SRUN_RC=str(status))
+    env.pop("HPC_LOG_DIR", None)
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "pretrain.sbatch"), "--epochs", "1"],
+                          check=False, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == status, proc.stderr  # the job's status is the step's
+    ran = [line for line in proc.stdout.splitlines() if line.startswith("PYTHON -m hpc first")]
+    assert bool(ran) == reported, proc.stdout
+    if reported:
+        assert ran == [f"PYTHON -m hpc first-failure {tmp_path}/hpc-logs/7/failures-0"], ran
 
 
 def test_preempt_block_rejects_an_unknown_option(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ Real signals are sent to this process; ``scontrol`` is used where installed.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -129,11 +130,22 @@ def test_requeue_hook_failure_cancels_the_requeue() -> None:
     assert out.kind == "failed" and "disk full" in out.message
 
 
+def _records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "hpc.preempt.requeue"]
+
+
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol")
-def test_requeue_of_an_unknown_job_reports_scontrols_error() -> None:
+def test_requeue_of_an_unknown_job_reports_scontrols_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="hpc.preempt.requeue")
     out = requeue.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
     assert out.kind == "failed" and "scontrol requeue 999999999" in out.message
     assert "HINT:" in out.message
+    # scontrol's own words ("Invalid job id specified for job 999999999")
+    assert "Invalid job id specified" in out.message, out.message
+    # one line, the error, and no "requeueing job ..." announced before scontrol failed
+    assert _records(caplog) == [("ERROR", out.message)], _records(caplog)
 
 
 def test_guard_handles_sigterm_too_by_default_and_names_the_signal_received() -> None:
@@ -170,7 +182,9 @@ def test_array_task_requeues_itself_not_the_whole_array() -> None:
 
 
 def test_without_scontrol_the_master_hands_the_requeue_to_the_batch_shell(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="hpc.preempt.requeue")
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol on PATH, as in a container
     marker = tmp_path / "requeue-me"
     env = {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "1"}
@@ -179,6 +193,10 @@ def test_without_scontrol_the_master_hands_the_requeue_to_the_batch_shell(
     assert (out.kind, out.exit_code) == ("requeued", requeue.EXIT_REQUEUED)
     assert "the batch shell requeues it" in out.message
     assert marker.read_text() == "6_1\n"
+    # a requeue is a normal event: one INFO line, said once it is done
+    assert _records(caplog) == [("INFO", out.message)], _records(caplog)
+    assert out.message.startswith("requeued job 6_1 ")
+    caplog.clear()
     out = requeue.requeue_after_stop(5, "ck.pt", environ=env)  # no shell to hand it to
     assert (out.kind, out.exit_code) == ("failed", 1)
     assert "FileNotFoundError" in out.message and "HINT:" in out.message

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hpc.watchdog import failure
 from hpc.watchdog.failure import read_mark
 from tests.helpers.paths import ROOT
@@ -38,14 +40,31 @@ def test_sigabrt_leaves_a_mark(tmp_path: Path) -> None:
     assert abs(when - (tmp_path / "3.fault").stat().st_mtime) < 1e-6
 
 
-def test_a_rank_that_did_not_fail_has_no_mark(tmp_path: Path) -> None:
-    proc = _python("from hpc.watchdog import failure\nimport sys\n"
-                   "failure.install(0, {'HPC_ERROR_DIR': sys.argv[1]})\n", str(tmp_path))
-    assert proc.returncode == 0, proc
-    # a clean exit writes the (generic) json mark the launcher reads for failed ranks
-    # only; the fault file stays empty
-    assert (tmp_path / "0.fault").read_text() == ""
-    assert read_mark(str(tmp_path), 5) is None
+_INSTALLED = ("from hpc.watchdog import failure\nimport sys\nfailure.watch()\n"
+              "failure.install(0, {'HPC_ERROR_DIR': sys.argv[1]})\n")
+
+
+@pytest.mark.parametrize("end, status", [("", 0), ("sys.exit(0)\n", 0),
+                                         ("sys.exit(75)\n", 75)],  # the agreed requeue exit
+                         ids=["clean", "exit-0", "requeued"])
+def test_a_rank_that_did_not_fail_has_no_mark(tmp_path: Path, end: str, status: int) -> None:
+    proc = _python(_INSTALLED + end, str(tmp_path))
+    assert proc.returncode == status, proc
+    assert read_mark(str(tmp_path), 0) is None, (tmp_path / "0.json").read_text()
+    assert not (tmp_path / "0.json").exists()
+    assert (tmp_path / "0.fault").read_text() == ""  # faulthandler's file stays empty
+
+
+def test_a_process_that_noted_its_failure_marks_the_start_of_its_exit(tmp_path: Path) -> None:
+    proc = _python(_INSTALLED + "failure.note_failure('pretrain diverged')\nsys.exit(1)\n",
+                   str(tmp_path))
+    assert proc.returncode == 1, proc
+    mark = read_mark(str(tmp_path), 0)
+    assert mark is not None and mark[1] == failure.GENERIC_MESSAGE
+    proc = _python(_INSTALLED + "raise ValueError('bad batch')\n", str(tmp_path / "raised"))
+    assert proc.returncode == 1, proc
+    mark = read_mark(str(tmp_path / "raised"), 0)  # the exception's, not the generic one
+    assert mark is not None and mark[1] == "ValueError: bad batch", mark
 
 
 def test_failed_notes_uncaught_exceptions_and_entry_points() -> None:
