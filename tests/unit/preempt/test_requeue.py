@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -131,8 +132,14 @@ def test_requeue_hook_failure_cancels_the_requeue() -> None:
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol")
 def test_requeue_of_an_unknown_job_reports_scontrols_error() -> None:
+    """The message carries scontrol's own words (here 'Invalid job id specified'), as
+    scontrol printed them, not only that it failed."""
+    said = subprocess.run(["scontrol", "requeue", "999999999"], capture_output=True,
+                          text=True, timeout=60)
+    assert said.returncode != 0 and said.stderr.strip(), said
     out = requeue.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
-    assert out.kind == "failed" and "scontrol requeue 999999999" in out.message
+    assert out.kind == "failed" and "`scontrol requeue 999999999` failed: " in out.message
+    assert said.stderr.strip() in out.message, (said.stderr, out.message)
     assert "HINT:" in out.message
 
 
