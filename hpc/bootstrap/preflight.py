@@ -212,7 +212,7 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
                 f"rank 0: cannot listen on {addr}:{port}: {e}.\n"
                 "Another job or step on this node already uses the port.\n"
                 "HINT: export MASTER_PORT=<a free port> (the derived port is documented "
-                "under 'Master port' in the launching guide)."
+                "under 'Master address and port' in the launching guide)."
             ) from e
     reached = _probe(addr, port, info.rank, start, deadline)
     return dist.TCPStore(addr, port, None, False,

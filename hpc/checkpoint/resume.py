@@ -323,7 +323,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
 
         position_sampler(sampler, epoch, batch, payload.get("sampler"), path)
     if rank == 0:
-        logger.info("resumed from %s: step %d done, next: epoch %d (from 0) batch %d", path,
-                    int(payload["step"]), epoch, batch)
+        logger.info("resumed from %s: step %d done; next: batch %d of epoch %d (both counted "
+                    "from 0)", path, int(payload["step"]), batch, epoch)
     return Restored(path=path, step=int(payload["step"]), epoch=epoch, batch=batch,
                     world_size=saved_world, payload=payload)

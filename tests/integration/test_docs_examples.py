@@ -4,6 +4,7 @@ docs say it prints (the pages include these files with ``literalinclude``)."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -18,6 +19,61 @@ from tests.helpers.processes import clean_env, hpc_run, kill_group
 from tests.helpers.step_hooks import slowed
 
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
+
+#: What varies from run to run in an example's output, and what stands in for it.
+_VARYING = [(re.compile(r"\b\d\d:\d\d:\d\d\b"), "<time>"),
+            (re.compile(r"pid \d+"), "pid <pid>")]
+
+
+def documented_runs(page: str, command: str) -> list[list[str]]:
+    """The lines docs/``page`` shows under each ``$ COMMAND`` prompt of its console blocks."""
+    runs: list[list[str]] = []
+    block = False
+    for line in (ROOT / "docs" / page).read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            block = line.strip() == "```console"
+            continue
+        if not block:
+            continue
+        if line.startswith("$ "):
+            if line == f"$ {command}":
+                runs.append([])
+            else:
+                block = False  # another command: its lines are not this example's
+            continue
+        if runs:
+            runs[-1].append(line)
+    assert runs, f"docs/{page} shows no run of `{command}`"
+    return runs
+
+
+def normalized(lines: list[str], subs: dict[str, str]) -> list[str]:
+    """``lines`` with run-dependent parts replaced (``subs`` first: regular expressions of
+    the run's paths or values -> the docs' words), sorted: the ranks' lines interleave
+    differently each run."""
+    out = []
+    for line in lines:
+        for real, shown in subs.items():
+            line = re.sub(real, shown, line)
+        for pattern, shown in _VARYING:
+            line = pattern.sub(shown, line)
+        out.append(line)
+    return sorted(out)
+
+
+def assert_output_as_documented(page: str, command: str, real: list[list[str]],
+                                subs: dict[str, str]) -> None:
+    """Each run of ``command`` shown on ``page`` printed exactly the real run's lines."""
+    shown = documented_runs(page, command)
+    assert len(shown) == len(real), (len(shown), len(real))
+    for doc, got in zip(shown, real):
+        assert normalized(doc, subs) == normalized(got, subs), (
+            f"docs/{page} shows for `{command}`:\n" + "\n".join(doc)
+            + "\nthe example printed:\n" + "\n".join(got))
+
+
+def _lines(*texts: str) -> list[str]:
+    return [line for text in texts for line in text.splitlines() if line.strip()]
 
 
 def check_train_minimal(proc: subprocess.CompletedProcess[str], tmp: Path) -> None:
@@ -38,6 +94,9 @@ def check_train_minimal(proc: subprocess.CompletedProcess[str], tmp: Path) -> No
     # IO on the global master only.
     assert (tmp / "model.pt").is_file()
     assert proc.stderr.count("INFO train_minimal: saved") == 1
+    assert_output_as_documented(
+        "script.md", "hpc run --nproc 2 -- python docs/examples/train_minimal.py --out "
+        "runs/minimal", [_lines(proc.stdout, proc.stderr)], {re.escape(str(tmp)): "runs/minimal"})
 
 
 def check_train_supernet(proc: subprocess.CompletedProcess[str], tmp: Path) -> None:
@@ -45,6 +104,13 @@ def check_train_supernet(proc: subprocess.CompletedProcess[str], tmp: Path) -> N
                       proc.stdout)
     assert sorted(r for r, _, _ in rows) == ["0", "1"], proc.stdout
     assert len({(used, total) for _, used, total in rows}) == 1, "ranks diverged"
+    # The blocks with a gradient are exactly those some rank drew in the last step (the
+    # example's rule): a block no rank used keeps grad=None, not a zero gradient.
+    drawn = sorted({random.Random(f"0/{rank}/19").randrange(3) for rank in (0, 1)})
+    assert rows[0][1] == str(drawn), (rows, drawn)
+    assert_output_as_documented("script.md", "hpc run --nproc 2 -- python "
+                                "docs/examples/train_supernet.py",
+                                [_lines(proc.stdout, proc.stderr)], {})
 
 
 DONE = re.compile(r"rank (\d): done step (\d+) digest (\w+)")
@@ -98,6 +164,27 @@ def check_train_preemptible(proc: subprocess.CompletedProcess[str], tmp: Path) -
     assert f"resumed from {out}/checkpoints/ckpt-{step:08d}.pt: step {step} done" in \
         resumed.stderr, resumed.stderr
     assert _done(resumed.stdout) == (ref_step, ref_digest), "resume is not bitwise exact"
+    # preemptible.md's session: the same lines, the stop step (the signal's timing) aside.
+    def stop_subs(at: int) -> dict[str, str]:  # the stop step, not "epoch 1/4 step 64:"
+        return {rf"\bstep {at}\b(?!:)": "step <stop>", f"ckpt-{at:08d}": "ckpt-<stop>",
+                f"batch {at % 64} of epoch {at // 64} ": "batch <b> of epoch <e> "}
+
+    shown = documented_runs("preemptible.md", "hpc run --nproc 2 -- python "
+                            "docs/examples/train_preemptible.py --out runs/mine")
+    doc_step = int(re.findall(r"stopped at step (\d+)", "\n".join(shown[0]))[0])
+    subs = {re.escape(str(out)): "runs/mine", **stop_subs(step)}
+    doc_subs = stop_subs(doc_step)
+    real = [_lines(text), _lines(resumed.stdout, resumed.stderr)]
+    # The docs' run stopped in the second epoch (64 steps each); so must this one, for
+    # its lines to be the same ones.
+    assert 64 <= step < 128 and 64 <= doc_step < 128, (step, doc_step)
+    for doc, got in zip(shown, real):
+        assert normalized(doc, doc_subs) == normalized(got, subs), (
+            "docs/preemptible.md shows:\n" + "\n".join(doc) + "\nthe example printed:\n"
+            + "\n".join(got))
+    assert len(shown) == len(real)
+    page = (ROOT / "docs" / "preemptible.md").read_text(encoding="utf-8")
+    assert f"The uninterrupted run prints the same `digest {ref_digest}`" in page
 
 
 #: Expected output of each example; a new example needs an entry here.

@@ -2,9 +2,12 @@
 
 node2 gets a second interface for the module (a veth pair ``hpcd15a``/``hpcd15b``
 inside its network namespace, ``hpcd15a`` on 10.201.0.0/24, removed afterwards; no
-``dummy`` device: the sandbox kernel here has none), so that picking the interface that
-reaches the master is a real choice: a wrong one (the dummy) would make gloo advertise an
-address node1 cannot reach. One test also makes node2's hostname resolve to 127.0.1.1
+``dummy`` device: the sandbox kernel here has none), so that node2 has two interfaces to
+choose from; a wrong one would make gloo advertise an address node1 cannot reach. eth0
+comes first there, so a "first interface" rule would pass that test too: in
+:func:`test_the_interface_on_the_masters_subnet_wins_over_the_first_one` the master is
+on a link added after eth0 (10.203.0.0/24 between node1 and node2), which only the
+"on the master's subnet" rule picks. One test also makes node2's hostname resolve to 127.0.1.1
 (a private mount namespace with another /etc/hosts for that task only), the classic
 Debian ``/etc/hosts`` that makes a multi-node gloo job connect to itself.
 
@@ -136,27 +139,63 @@ def _ipn(ns: str, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=20)
 
 
-@pytest.fixture
-def routed_link() -> Iterator[None]:
-    """The :data:`ROUTED` link, removed afterwards (with either end the pair goes)."""
-    (a, _, _), (b, _, _) = ROUTED.values()
+def _veth(ends: dict[str, tuple[str, str, str | None]]) -> Iterator[None]:
+    """A veth pair joining node1 and node2: ``{namespace: (device, address, route or
+    None)}``; removed afterwards (with either end the pair goes)."""
+    (a, _, _), (b, _, _) = ends.values()
     _ipn("hpc-node1", "link", "del", a)
     done = subprocess.run(["ip", "link", "add", a, "type", "veth", "peer", "name", b],
                           check=False, capture_output=True, text=True, timeout=20)
     assert done.returncode == 0, done.stderr
     try:
-        for ns, (dev, addr, route) in ROUTED.items():
+        for ns, (dev, addr, route) in ends.items():
             moved = subprocess.run(["ip", "link", "set", dev, "netns", ns], check=False,
                                    capture_output=True, text=True, timeout=20)
             assert moved.returncode == 0, moved.stderr
-            for args in (("addr", "add", addr, "dev", dev), ("link", "set", dev, "up"),
-                         ("route", "add", route, "dev", dev)):
+            steps = [("addr", "add", addr, "dev", dev), ("link", "set", dev, "up")]
+            if route:
+                steps.append(("route", "add", route, "dev", dev))
+            for args in steps:
                 done = _ipn(ns, *args)
                 assert done.returncode == 0, done.stderr
         yield
     finally:
         _ipn("hpc-node1", "link", "del", a)
         subprocess.run(["ip", "link", "del", a], check=False, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def routed_link() -> Iterator[None]:
+    """The :data:`ROUTED` link."""
+    yield from _veth(ROUTED)
+
+
+#: node1 and node2 on one more subnet of their own, added after eth0: the master's
+#: address there is reachable over that link only.
+DIRECT = {"hpc-node1": ("hpcs30a", "10.203.0.11/24", None),
+          "hpc-node2": ("hpcs30b", "10.203.0.12/24", None)}
+
+
+@pytest.fixture
+def direct_link() -> Iterator[None]:
+    """The :data:`DIRECT` link."""
+    yield from _veth(DIRECT)
+
+
+def test_the_interface_on_the_masters_subnet_wins_over_the_first_one(
+        job: str, tmp_path: Path, direct_link: None) -> None:
+    """MASTER_ADDR on the added link: each node pins its end of it, not eth0, which
+    comes first in both nodes' interface lists (a "first interface" rule would pin eth0)."""
+    master = DIRECT["hpc-node1"][1].split("/")[0]
+    proc = run(["srun", "-N2", "--ntasks-per-node=1", *PROBE], job, tmp_path,
+               slurm_env(MASTER_ADDR=master, MASTER_PORT="29731"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _lines(proc.stdout)
+    assert sorted(ranks) == [0, 1] and {r["sum"] for r in ranks.values()} == {"3"}, ranks
+    for r, (dev, _, _) in zip((0, 1), DIRECT.values()):
+        names = ranks[r]["ifaces"].split(",")
+        assert names.index("eth0") < names.index(dev), names  # eth0 is the first one
+        assert ranks[r]["GLOO_SOCKET_IFNAME"] == ranks[r]["NCCL_SOCKET_IFNAME"] == dev, ranks
 
 
 def _gloo_over_routed_link(tmp: Path) -> list[str]:

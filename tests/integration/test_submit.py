@@ -59,6 +59,15 @@ from hpc.submit import watch as jobwatch  # noqa: E402
 LAYOUT = dict(nodes=2, gpus_per_node=2, time_min=5, signal_delay_s=60)
 SLOW_FIRST_RUN = slowed(0.5, runs=1)
 
+#: The time-limit test: ``--time 2 --signal-delay 60``. Slurm sends the signal 60 s
+#: before the limit and, its timer having a 60 s granularity, up to 60 s earlier: at most
+#: 60 s after the start. The first run's steps sleep so long that it lasts well past that
+#: even with no start-up time at all (2.5 s x 22 steps = 55 s left start-up as the only
+#: margin), and it still gets the signal well before the limit.
+TIME_LIMIT_S, SIGNAL_DELAY_S, TIME_LIMIT_STEP_SLEEP_S = 120, 60, 4.0
+SIGNAL_DUE_S = TIME_LIMIT_S - SIGNAL_DELAY_S
+assert TIME_LIMIT_STEP_SLEEP_S * STEPS >= SIGNAL_DUE_S + 25
+
 
 def _submit(out: Path, log_dir: Path, **env: str) -> SubmittedJob:
     return submit(PretrainConfig(**TINY, out=str(out)), log_dir=str(log_dir),
@@ -135,21 +144,23 @@ def test_usr2_checkpoints_requeues_and_resumes_exactly(reference: Any, tmp_path:
     assert_no_failure_marks(tmp_path / "logs" / job.job_id)
     assert_each_step_once(out)
     assert_same_final_weights(out, reference[0])
-    assert_sacct_as_documented(job.job_id)
+    assert_sacct_as_documented(job.job_id, "test_usr2_checkpoints_requeues_and_resumes_exactly")
 
 
-def documented_sacct() -> tuple[str, list[str]]:
-    """docs/submit.md's observed ``sacct -j ID -D`` sample: (its job id, its rows)."""
+def documented_sacct(test: str) -> tuple[str, list[str]]:
+    """The ``sacct -j ID -D`` sample docs/submit.md marks as checked by ``test``:
+    (its job id, its rows)."""
     text = (ROOT / "docs" / "submit.md").read_text()
-    m = re.search(r"^\$ sacct -j (\d+) -D -P -o JobID,State,ExitCode\n(.*?)^```", text,
+    m = re.search(rf"^<!-- checked by tests/integration/test_submit.py::{test} -->\n```text\n"
+                  r"\$ sacct -j (\d+) -D -P -o JobID,State,ExitCode\n(.*?)^```", text,
                   re.MULTILINE | re.DOTALL)
-    assert m, "docs/submit.md lost its observed sacct sample"
+    assert m, f"docs/submit.md lost the sacct sample {test} checks"
     return m.group(1), m.group(2).splitlines()
 
 
-def assert_sacct_as_documented(job_id: str) -> None:
+def assert_sacct_as_documented(job_id: str, test: str) -> None:
     """The job's runs and steps are what docs/submit.md shows (job id aside)."""
-    doc_id, rows = documented_sacct()
+    doc_id, rows = documented_sacct(test)
     expected = [re.sub(rf"^{doc_id}(?=[.|])", job_id, r) for r in rows]
     cmd = ["sacct", "-j", job_id, "-D", "-P", "-o", "JobID,State,ExitCode"]
     for _ in range(15):  # slurmdbd records the last steps a little after the job ends
@@ -167,9 +178,11 @@ def test_time_limit_signal_requeues_through_hpc_submit_wait(
     """``--time 2 --signal-delay 60``: Slurm itself sends USR2 30-60 s into the run."""
     out = tmp_path / "run"
     env = slurm_env()
-    hook = [a for k, v in slowed(2.5, runs=1).items() for a in ("--env", f"{k}={v}")]
+    hook = [a for k, v in slowed(TIME_LIMIT_STEP_SLEEP_S, runs=1).items()
+            for a in ("--env", f"{k}={v}")]
     cmd = [sys.executable, "-m", "hpc", "submit", "--nodes", "2", "--gpus-per-node", "2",
-           "--time", "2", "--signal-delay", "60", "--log-dir", str(tmp_path / "logs"),
+           "--time", str(TIME_LIMIT_S // 60), "--signal-delay", str(SIGNAL_DELAY_S),
+           "--log-dir", str(tmp_path / "logs"),
            "--env", "OMP_NUM_THREADS=1", *hook, "--wait", "--wait-timeout", "240",
            "--", *TINY_ARGS, "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -190,7 +203,8 @@ def test_time_limit_signal_requeues_through_hpc_submit_wait(
                      f"hpc submit: job {job_id} COMPLETED"):
         assert expected in text, f"{expected!r} missing from:\n{text[-4000:]}"
     stopped = stop_step(out)
-    assert 1 <= stopped < STEPS
+    # the signal came by SIGNAL_DUE_S, well before the slowed run could end by itself
+    assert 1 <= stopped <= SIGNAL_DUE_S / TIME_LIMIT_STEP_SLEEP_S + 1 < STEPS, stopped
     assert_requeued_once_or_more(job_id)
     assert_each_step_once(out)
     assert_same_final_weights(out, reference[0])
@@ -223,6 +237,8 @@ def test_sbatch_template_requeues_with_scontrol_and_resumes_exactly(
     assert len(assert_requeued_once_or_more(job_id)) == 2
     assert_each_step_once(out)
     assert_same_final_weights(out, reference[0])
+    assert_sacct_as_documented(
+        job_id, "test_sbatch_template_requeues_with_scontrol_and_resumes_exactly")
 
 
 def _pid_of(job_id: str, rank: int, marker: bytes) -> Optional[int]:

@@ -68,9 +68,12 @@ def test_sync_gradients_bitwise_equal_to_ddp(nproc: int, args: list[str]) -> Non
 
 @pytest.mark.timeout(120)
 def test_sync_gradients_ws3_equal_across_ranks() -> None:
-    """Default mode at ws 3: bitwise equal across ranks, DDP's values up to rounding."""
+    """Default mode at ws 3: bitwise equal across ranks, DDP's values up to rounding,
+    through shared memory (three ranks on one host; the process group's path would
+    pass the other checks too)."""
     lines = _run_ok(3, "sync_grads_vs_ddp.py", "--expect", "close")
     assert len({line.split("bitwise_vs_ddp=")[1] for line in lines}) == 1
+    assert all("shared_memory=1" in line for line in lines), lines
 
 
 @pytest.mark.timeout(90)

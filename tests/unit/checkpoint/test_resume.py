@@ -219,13 +219,17 @@ def test_resumable_sampler_skips_the_done_batches_once() -> None:
     assert list(ours) == list(plain)
 
 
-def test_restore_positions_the_sampler(tmp_path: Path) -> None:
+def test_restore_positions_the_sampler(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     a = objects()
     sampler = hpc.ResumableSampler(data(), batch_size=4, num_replicas=1, rank=0)
     hpc.save_checkpoint(tmp_path, 9, **a, sampler=sampler, epoch=1, batch=5)
     other = hpc.ResumableSampler(data(), batch_size=4, num_replicas=1, rank=0)
-    restored = hpc.restore_checkpoint(tmp_path, **objects(), sampler=other)
+    with caplog.at_level(logging.INFO, logger="hpc.checkpoint.resume"):
+        restored = hpc.restore_checkpoint(tmp_path, **objects(), sampler=other)
     assert restored is not None and (other.epoch, other.start_batch) == (1, 5)
+    # where the run goes on, in the words of the sampler's errors (epoch/batch as saved)
+    assert f"resumed from {tmp_path}/ckpt-00000009.pt: step 9 done; next: batch 5 of " \
+        "epoch 1 (both counted from 0)" in caplog.text
     wrong = hpc.ResumableSampler(data(), batch_size=8, num_replicas=1, rank=0)
     with pytest.raises(CheckpointError, match="batch_size=4 but the sampler has batch_size=8"):
         hpc.restore_checkpoint(tmp_path, **objects(), sampler=wrong)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -62,4 +63,33 @@ def test_shield_without_a_command_says_how() -> None:
     missing = subprocess.run([sys.executable, "-m", "hpc.preempt.shield", "no-such-launcher"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 127 and "cannot run 'no-such-launcher'" in missing.stderr
-    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def _mask(status: str, field: str) -> set[int]:
+    """The signals of a ``/proc/<pid>/status`` mask line (``SigBlk``, ``SigIgn``)."""
+    bits = int(re.search(rf"^{field}:\s*([0-9a-f]+)$", status, re.MULTILINE)[1], 16)
+    return {n for n in range(1, 65) if bits >> (n - 1) & 1}
+
+
+def test_shield_blocks_sigterm_in_the_launcher_and_what_it_forks() -> None:
+    """What the shield exec's (a launcher) and a process that one forks and exec's in
+    turn (orted, a rank) have SIGTERM blocked (pending, not lost) and not ignored, read
+    from their own /proc/<pid>/status; without the shield neither is blocked.
+
+    The launcher here is Python, not ``sh -c``: dash clears the blocked mask when it
+    starts, so a launcher that is a /bin/sh script would lose the shield."""
+    launcher = ("import subprocess, sys\n"
+                "print(open('/proc/self/status').read(), '---', flush=True)\n"
+                "sys.exit(subprocess.run(['cat', '/proc/self/status']).returncode)\n")
+    shielded = subprocess.run([sys.executable, "-m", "hpc.preempt.shield", sys.executable,
+                               "-c", launcher], capture_output=True, text=True, timeout=60)
+    plain = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True,
+                           timeout=60)
+    assert shielded.returncode == 0 == plain.returncode, shielded.stderr + plain.stderr
+    statuses = shielded.stdout.split("---")
+    assert len(statuses) == 2 and all("SigBlk" in x for x in statuses), shielded.stdout
+    for status in statuses:
+        assert signal.SIGTERM in _mask(status, "SigBlk"), status
+        assert signal.SIGTERM not in _mask(status, "SigIgn"), status
+    for status in plain.stdout.split("---"):
+        assert signal.SIGTERM not in _mask(status, "SigBlk"), status

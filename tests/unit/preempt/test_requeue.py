@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -138,9 +139,15 @@ def _records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol")
 def test_requeue_of_an_unknown_job_reports_scontrols_error(
         caplog: pytest.LogCaptureFixture) -> None:
+    """The message carries scontrol's own words (here 'Invalid job id specified'), as
+    scontrol printed them, not only that it failed."""
     caplog.set_level(logging.INFO, logger="hpc.preempt.requeue")
+    said = subprocess.run(["scontrol", "requeue", "999999999"], capture_output=True,
+                          text=True, timeout=60)
+    assert said.returncode != 0 and said.stderr.strip(), said
     out = requeue.requeue_after_stop(5, None, environ={"SLURM_JOB_ID": "999999999"})
-    assert out.kind == "failed" and "scontrol requeue 999999999" in out.message
+    assert out.kind == "failed" and "`scontrol requeue 999999999` failed: " in out.message
+    assert said.stderr.strip() in out.message, (said.stderr, out.message)
     assert "HINT:" in out.message
     # scontrol's own words ("Invalid job id specified for job 999999999")
     assert "Invalid job id specified" in out.message, out.message

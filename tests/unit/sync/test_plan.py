@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
+import os
+import subprocess
 import sys
 
 import pytest
@@ -20,6 +21,7 @@ from hpc.sync._collective import (
 )
 from hpc.sync._plan import Arena, make_plan
 from hpc.sync.model import _Bucket, _buckets, _pack, _unpack
+from tests.helpers.paths import ROOT
 
 F32 = (torch.device("cpu"), torch.float32)
 F64 = (torch.device("cpu"), torch.float64)
@@ -158,24 +160,44 @@ def test_model_and_grads_buckets_share_one_kind_vocabulary(
     assert {b.kind for b in plan} == {b.kind for b in packed} == set(BUCKET_KINDS)
 
 
-def test_importing_the_sync_modules_allocates_no_tensor(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh imports of hpc.sync.* under a mode that records every torch call."""
-    from torch.overrides import TorchFunctionMode
+#: Run in a fresh interpreter: torch first, then every module of hpc.sync imported for
+#: the first time under a mode that records each torch call with the hpc module whose
+#: code made it. Prints one line: ``MISSING <names>`` or ``CALLS <module:function ...>``.
+_IMPORT_PROBE = """
+import importlib, pkgutil, sys
+import torch
+from torch.overrides import TorchFunctionMode
 
-    calls: list[str] = []
+names = sorted(f"hpc.sync.{m.name}" for m in pkgutil.iter_modules(
+    [sys.argv[1]]))
+already = [n for n in ["hpc.sync", *names] if n in sys.modules]
+assert not already, already
+calls = []
 
-    class Record(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            calls.append(getattr(func, "__name__", repr(func)))
-            return func(*args, **(kwargs or {}))
+class Record(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame and not frame.f_globals.get("__name__", "").startswith("hpc."):
+            frame = frame.f_back
+        where = frame.f_globals["__name__"] if frame else "?"
+        calls.append(f"{where}:{getattr(func, '__name__', repr(func))}")
+        return func(*args, **(kwargs or {}))
 
-    names = ["hpc.sync._collective", "hpc.sync._plan", "hpc.sync.model", "hpc.sync.grads"]
-    for name in names:  # monkeypatch puts the original modules back afterwards
-        original = importlib.import_module(name)
-        monkeypatch.setattr(hpc.sync, name.rsplit(".", 1)[1], original)
-        monkeypatch.delitem(sys.modules, name)
-    with Record():
-        for name in names:
-            importlib.import_module(name)
-    assert calls == []
+with Record():
+    for name in names:
+        importlib.import_module(name)
+missing = [n for n in names if n not in sys.modules]
+print("MISSING" if missing else "CALLS", *(missing or calls))
+"""
+
+
+def test_importing_the_sync_modules_allocates_no_tensor() -> None:
+    """Each hpc.sync module, imported fresh in a new interpreter, calls no torch function
+    at import (a module-level tensor would be created before init_torch picked the
+    device, and on every import of hpc.sync). In this process the modules are imported
+    already, so re-importing some of them here could not see the others' module code."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, hpc.sync.__path__[0]],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["CALLS"], proc.stdout

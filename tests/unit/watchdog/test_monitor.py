@@ -135,7 +135,29 @@ def test_gather_fills_in_silent_ranks_from_the_store(monkeypatch: pytest.MonkeyP
     store.set("hpc/pf/1", json.dumps({"host": "elsewhere", "pid": 77}))
     store.set("hpc/wd/state/1", json.dumps({"entered": 3, "completed": 3, "op": "all_reduce",
                                             "since": time.time() - 5}))
-    monkeypatch.setattr(watchdog, "ANSWER_WAIT", 0.2)
+    # The wait for answers ends when rank 2's answer was read (rank 1 never answers), not
+    # after a fixed 0.2 s that a loaded machine can spend before the helper thread runs:
+    # gather's clock stands still until then, and ANSWER_WAIT bounds a test that hangs.
+    read = threading.Event()
+    start = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - start + (1e6 if read.is_set() else 0.0)
+
+    monkeypatch.setattr(watchdog, "time", types.SimpleNamespace(
+        monotonic=clock, sleep=time.sleep, time=time.time))
+    monkeypatch.setattr(watchdog, "ANSWER_WAIT", 30.0)
+
+    class Reading:  # the store, telling when gather has read rank 2's answer
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def get(self, key: str) -> bytes:
+            value = store.get(key)
+            if key == "hpc/wd/ans/1/2":
+                read.set()
+            return value
+
     dog = watchdog.Watchdog(DistInfo(launcher="local", rank=0, world_size=3),
                             lambda t: store, 10.0, {})
     dog.progress.entered = 4
@@ -148,8 +170,9 @@ def test_gather_fills_in_silent_ranks_from_the_store(monkeypatch: pytest.MonkeyP
 
     t = threading.Thread(target=answer)
     t.start()
-    entries = dog.gather(store)
+    entries = dog.gather(Reading())
     t.join()
+    assert read.is_set() and time.monotonic() - start < 30
     assert entries[1] == {"answered": False, "host": "elsewhere", "pid": 77, "entered": 3,
                           "completed": 3, "op": "all_reduce", "since": entries[1]["since"]}
     assert entries[2]["host"] == "node3" and entries[0]["answered"]
