@@ -6,8 +6,9 @@ that :func:`note_failure` marked as failing), written before the rank's sockets 
 Ranks that fail *because* a peer died ("Connection closed by peer") fail later, so the
 earliest mark is the root cause, as in torchrun's error files. A rank that did not fail
 (a clean end, or the agreed exit 75 after a requeue) leaves no mark. A process cannot
-see its own exit status, so a bare ``sys.exit(3)`` without :func:`note_failure` leaves
-none either: the launcher's own report of that rank (srun's ``task N: Exited``) counts.
+see its own exit status at exit, so :func:`install` has ``sys.exit`` note a failing
+status when it is called (``sys.exit(3)`` marks; ``raise SystemExit(3)`` or ``os._exit``
+do not: the launcher's own report of that rank, srun's ``task N: Exited``, counts).
 
 A rank killed by a signal runs no Python at all: an NCCL watchdog timeout calls
 ``std::abort()`` (SIGABRT) from a C++ thread. For that case :func:`install` points
@@ -116,6 +117,18 @@ def _mark_failing_exit(path: Path) -> None:
             pass
 
 
+def _noting_exit(real: Any, clean: tuple[int, ...]) -> Any:
+    """``sys.exit`` that first notes a failing status (not 0/None, not one of ``clean``):
+    atexit cannot see the exit code, but the call can."""
+    def exit(status: object = None) -> Any:  # noqa: A001 - it replaces sys.exit
+        if status not in (None, 0, *clean):
+            note_failure(f"sys.exit({status!r})")
+        return real(status)
+
+    exit._hpc_noting = True  # type: ignore[attr-defined]
+    return exit
+
+
 def install(rank: int, environ: dict[str, str] | None = None) -> None:
     """Record when this rank began to fail under ``$HPC_ERROR_DIR/<rank>.json``.
 
@@ -147,6 +160,12 @@ def install(rank: int, environ: dict[str, str] | None = None) -> None:
     # after a requeue leave no mark. Registered after the teardown handler, so it runs
     # before the group is destroyed.
     atexit.register(_mark_failing_exit, path)
+    # sys.exit(3) in a user's script is a failure too (a `raise SystemExit(3)` is not seen):
+    # note it at the call; the agreed requeue exit is not one.
+    from hpc.preempt.requeue import EXIT_REQUEUED
+
+    if not getattr(sys.exit, "_hpc_noting", False):
+        sys.exit = _noting_exit(sys.exit, (EXIT_REQUEUED,))
     if not faulthandler.is_enabled():
         try:
             fault = open(Path(directory) / f"{rank}.fault", "w")  # noqa: SIM115

@@ -67,6 +67,16 @@ def test_a_process_that_noted_its_failure_marks_the_start_of_its_exit(tmp_path: 
     assert mark is not None and mark[1] == "ValueError: bad batch", mark
 
 
+def test_a_bare_sys_exit_with_a_failing_status_marks_its_rank(tmp_path: Path) -> None:
+    """The dying rank of tests/integration/test_slurm.py::test_dying_rank_ends_job."""
+    proc = _python(_INSTALLED + "sys.exit(3)\n", str(tmp_path))
+    assert proc.returncode == 3, proc
+    mark = read_mark(str(tmp_path), 0)
+    assert mark is not None and mark[1] == failure.GENERIC_MESSAGE, mark
+    proc = _python(_INSTALLED + "sys.exit('no data')\n", str(tmp_path / "text"))
+    assert proc.returncode == 1 and read_mark(str(tmp_path / "text"), 0) is not None
+
+
 def test_failed_notes_uncaught_exceptions_and_entry_points() -> None:
     code = ("from hpc.watchdog import failure\nimport atexit\nfailure.watch()\n"
             "atexit.register(lambda: print('FAILED', failure.failed()))\n")
