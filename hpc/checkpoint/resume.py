@@ -73,8 +73,15 @@ def gather_rng() -> Optional[list[Any]]:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DDP (its state dict without the ``module.`` prefix)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The module inside DDP and ``torch.compile`` (in either order), so the checkpoint's
+    keys carry neither ``module.`` nor ``_orig_mod.`` and a plain model loads them."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # OptimizedModule
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
 
 
 def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,

@@ -334,3 +334,22 @@ def test_a_mid_epoch_save_with_a_plain_sampler_warns_once_at_save_time(
     with caplog.at_level(logging.WARNING):
         hpc.save_checkpoint(tmp_path, 5, **a, sampler=ours, epoch=1, batch=3)
     assert "ResumableSampler" not in caplog.text
+
+
+def test_a_compiled_model_saves_plain_keys_and_loads_either_way(tmp_path: Path) -> None:
+    """torch.compile wraps the model in an OptimizedModule whose keys carry `_orig_mod.`:
+    a checkpoint of the compiled model must load into the plain one, and back."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    compiled = torch.compile(plain)   # no call: nothing is compiled, only wrapped
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    hpc.save_checkpoint(tmp_path / "a", 1, model=compiled)
+    payload = load_checkpoint(list_checkpoints(tmp_path / "a")[-1])
+    assert not any(k.startswith("_orig_mod.") for k in payload["model"]), list(payload["model"])
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    hpc.restore_checkpoint(tmp_path / "a", model=fresh)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                 plain.state_dict().values()))
+    again = torch.compile(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    hpc.restore_checkpoint(tmp_path / "a", model=again)   # into a compiled one
+    assert torch.equal(again._orig_mod[0].weight, plain[0].weight)
