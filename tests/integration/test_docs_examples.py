@@ -22,7 +22,8 @@ EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
 
 #: What varies from run to run in an example's output, and what stands in for it.
 _VARYING = [(re.compile(r"\b\d\d:\d\d:\d\d\b"), "<time>"),
-            (re.compile(r"pid \d+"), "pid <pid>")]
+            (re.compile(r"pid \d+"), "pid <pid>"),
+            (re.compile(r"master 127\.0\.0\.1:\d+"), "master 127.0.0.1:<port>")]
 
 
 def documented_runs(page: str, command: str) -> list[list[str]]:
