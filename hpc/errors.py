@@ -7,6 +7,7 @@ Every message follows the house format: the fact with its values, the cause, the
 from __future__ import annotations
 
 __all__ = [
+    "EXIT_REQUEUED",
     "HPCError",
     "LaunchEnvironmentError",
     "InconsistentEnvironmentError",
@@ -18,6 +19,11 @@ __all__ = [
     "SubmitError",
     "CollectiveError",
 ]
+
+#: Exit status of every rank after a successful requeue (sysexits' EX_TEMPFAIL): not a
+#: failure. Here, below every room, because the preemption code sets it and the failure
+#: marks (watchdog) and templates' reports must not count it.
+EXIT_REQUEUED = 75
 
 
 class HPCError(RuntimeError):

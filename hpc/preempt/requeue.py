@@ -56,7 +56,7 @@ from collections.abc import Mapping
 from typing import Callable, Optional
 
 from hpc import envvars
-from hpc.errors import PreemptError
+from hpc.errors import EXIT_REQUEUED, PreemptError
 
 __all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_stop",
            "stopped_by_request", "close_before_failing_exit", "DEFAULT_MAX_REQUEUES",
@@ -65,8 +65,6 @@ __all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEUES: int = envvars.VARIABLES["HPC_MAX_REQUEUES"].default
-#: Exit status of every rank after a successful requeue (sysexits' EX_TEMPFAIL).
-EXIT_REQUEUED = 75
 
 
 def requeue_target(environ: Mapping[str, str]) -> Optional[str]:

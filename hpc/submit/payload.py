@@ -163,7 +163,7 @@ def _exit_code(e: SystemExit) -> int:
 class ModuleJob(_Requeueable):
     """``python -m module args...`` in-process (``runpy``, ``sys.argv`` set); returns 0.
 
-    A module that exits with :data:`~hpc.preempt.requeue.EXIT_REQUEUED` (its
+    A module that exits with :data:`~hpc.errors.EXIT_REQUEUED` (its
     :class:`~hpc.preempt.stop.AgreedStop` requeued the job) exits with it too: no
     result and no error, so the requeued job runs the same call again.
 

@@ -42,6 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from hpc import envvars
+from hpc.errors import EXIT_REQUEUED
 
 __all__ = ["GENERIC_MESSAGE", "FirstFailure", "describe_failure", "failed", "first_by_marks",
            "first_failure", "install", "note_failure", "read_mark", "watch", "write_mark"]
@@ -162,8 +163,6 @@ def install(rank: int, environ: dict[str, str] | None = None) -> None:
     atexit.register(_mark_failing_exit, path)
     # sys.exit(3) in a user's script is a failure too (a `raise SystemExit(3)` is not seen):
     # note it at the call; the agreed requeue exit is not one.
-    from hpc.preempt.requeue import EXIT_REQUEUED
-
     if not getattr(sys.exit, "_hpc_noting", False):
         sys.exit = _noting_exit(sys.exit, (EXIT_REQUEUED,))
     if not faulthandler.is_enabled():

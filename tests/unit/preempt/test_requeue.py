@@ -149,8 +149,6 @@ def test_requeue_of_an_unknown_job_reports_scontrols_error(
     assert out.kind == "failed" and "`scontrol requeue 999999999` failed: " in out.message
     assert said.stderr.strip() in out.message, (said.stderr, out.message)
     assert "HINT:" in out.message
-    # scontrol's own words ("Invalid job id specified for job 999999999")
-    assert "Invalid job id specified" in out.message, out.message
     # one line, the error, and no "requeueing job ..." announced before scontrol failed
     assert _records(caplog) == [("ERROR", out.message)], _records(caplog)
 
