@@ -177,13 +177,18 @@ def no_launcher_hint() -> str:
             "on purpose.")
 
 
+def _agent_started(env: Mapping[str, str]) -> bool:
+    """A torchrun agent (``TORCHELASTIC_RUN_ID``) or ``hpc run`` (``HPC_RUN_ID``) set this
+    process's rank variables, rather than a user's export."""
+    return "TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env
+
+
 def _refuse_hand_set_without_launcher(raw: tuple[str, str], env: Mapping[str, str],
                                       cause: LaunchEnvironmentError) -> None:
     """``RANK``/``WORLD_SIZE`` exported by hand, no torchrun agent, no ``LOCAL_RANK``:
     nothing will start the other ranks, so exporting ``LOCAL_RANK`` would only wait for
     them until the connect timeout."""
-    if ("TORCHELASTIC_RUN_ID" in env or "HPC_RUN_ID" in env or "LOCAL_RANK" in env
-            or int(raw[1]) <= 1):
+    if _agent_started(env) or "LOCAL_RANK" in env or int(raw[1]) <= 1:
         return
     raise LaunchEnvironmentError(
         f"no launcher found: RANK={raw[0]} WORLD_SIZE={raw[1]} are set, but no torchrun "
@@ -205,7 +210,7 @@ def _check_one_world(info: DistInfo, env: Mapping[str, str]) -> None:
     says how many it started (``SLURM_STEP_NUM_TASKS``). Fewer in the world than in the
     step means the others are in worlds of their own. ``HPC_LAUNCHER`` skips this.
     """
-    if "TORCHELASTIC_RUN_ID" not in env and "HPC_RUN_ID" not in env:
+    if not _agent_started(env):
         return  # RANK/WORLD_SIZE not set by an agent: _check_hand_set compares them
     if not (SlurmEnvironment.detect(env) and in_step(env)):
         return
