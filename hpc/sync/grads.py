@@ -45,6 +45,7 @@ from hpc.sync._pack import Layout
 from hpc.sync._plan import Arena, Bucket, local_mask, make_plan, trainable
 from hpc.sync._shm import ShmLane, half_bytes, lane_wanted, open_lane
 from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
+from hpc.watchdog import tracker
 
 __all__ = ["sync_gradients", "GradSync"]
 
@@ -307,7 +308,7 @@ class GradSync:
                 st.ready.append(i)
                 if not st.work.is_completed():
                     return
-                st.work.wait()
+                tracker.wait(st.work)
                 st.work = None
                 self._build(st)
             elif st.mine[i]:
@@ -322,7 +323,7 @@ class GradSync:
         """Pack and issue what backward did not, wait, and point ``.grad`` at results."""
         if st.plan is None:
             if st.work is not None:
-                st.work.wait()
+                tracker.wait(st.work)
                 st.work = None
             self._build(st)
         plan = st.plan or []
@@ -340,7 +341,7 @@ class GradSync:
             sent = 0
             for b in plan:
                 if b.work is not None:
-                    b.work.wait()
+                    tracker.wait(b.work)
                     b.work = None  # no Work outlives the step (or the group, at exit)
                 flat = self._layout.widen(self._arena, b)
                 for i, off in zip(b.idx, b.offsets):

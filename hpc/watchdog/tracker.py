@@ -42,7 +42,7 @@ from typing import Any, Optional
 from hpc.watchdog import device
 
 __all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "Progress", "begin", "end", "install",
-           "is_job_failure", "poll", "uninstall"]
+           "is_job_failure", "poll", "uninstall", "wait", "waited"]
 
 #: The ``torch.distributed`` functions counted as collectives.
 COLLECTIVES = (
@@ -79,6 +79,10 @@ class Progress:
         failed: ``"op #n: error"`` once a collective failed on this rank.
         queued: Sequence number of the last one this rank's Python called: ahead of
             ``entered`` while its GPU has not reached what the host queued.
+        waited: Seconds this rank's host spent blocked in world collectives so far: in
+            the wrapped ones that return when done (not ``async_op``, not queued on a
+            GPU) and in the waits :mod:`hpc.sync` makes on its own Works
+            (:func:`wait`). The straggler detector reads it (:mod:`hpc.health.straggler`).
     """
 
     entered: int = 0
@@ -87,6 +91,7 @@ class Progress:
     since: float = field(default_factory=time.time)
     failed: str = ""
     queued: int = 0
+    waited: float = 0.0
 
     def waiting(self) -> bool:
         """True while a collective this rank entered has not completed."""
@@ -141,6 +146,27 @@ _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _ACTIVE: list[tuple[device.Backlog, OnFailure, tuple[type, ...]]] = []
 #: ``install``'s default ``mark``: CUDA events when wrapping torch.distributed.
 _AUTO: Any = object()
+
+
+#: Set by :func:`hang_next`: the next world collective this rank enters never returns.
+_HANG: list[bool] = []
+
+
+def hang_next() -> bool:
+    """Make the next world collective this rank enters sleep forever (``HPC_FAULT``'s
+    ``hang``): False when not installed (nothing would see the collective)."""
+    if not _ACTIVE:
+        return False
+    _HANG.append(True)
+    return True
+
+
+def _hang_forever(name: str, seq: int) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning("HPC_FAULT: hanging in %s #%d (injected)", name, seq)
+    while True:
+        time.sleep(3600)
 
 
 #: Past any call's arguments: "this function takes no such parameter".
@@ -242,6 +268,7 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
     # closure locals: the common path (nothing pending on a GPU) is _enter and
     # _complete inlined, with no global or attribute lookups it can avoid
     progress, items, lock, clock = backlog.progress, backlog.items, _LOCK, time.time
+    perf = time.perf_counter
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
@@ -263,6 +290,9 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
                 progress.entered, progress.op, progress.since = seq, name, clock()
             else:
                 backlog.add(seq, name, started, clock())
+        if _HANG:  # HPC_FAULT's hang: entered, and never leaves
+            _hang_forever(name, seq)
+        t0 = perf()
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
@@ -284,6 +314,7 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
             _watch_future(backlog, seq, name, result, on_failure)
         else:
             with lock:
+                progress.waited += perf() - t0
                 if items:
                     backlog.finish(seq, True, clock())
                 elif seq > progress.completed:
@@ -353,6 +384,30 @@ def end(seq: Optional[int], name: str, error: Optional[BaseException] = None
         return on_failure(seq, name, error, True)
     _complete(backlog, seq)
     return None
+
+
+_WAITING = threading.local()
+
+
+def wait(work: Any) -> Any:
+    """``work.wait()``, its time counted in :attr:`Progress.waited` while installed
+    (:mod:`hpc.sync` waits on its own Works through this)."""
+    if not _ACTIVE or getattr(_WAITING, "depth", 0):  # an outer wait counts it
+        return work.wait()
+    t0 = time.perf_counter()
+    _WAITING.depth = 1
+    try:
+        return work.wait()
+    finally:
+        _WAITING.depth = 0
+        progress = _ACTIVE[0][0].progress
+        with _LOCK:
+            progress.waited += time.perf_counter() - t0
+
+
+def waited() -> Optional[float]:
+    """:attr:`Progress.waited` of the installed tracker; None when not installed."""
+    return _ACTIVE[0][0].progress.waited if _ACTIVE else None
 
 
 def poll() -> bool:
