@@ -114,6 +114,12 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError("is not a whole number >= 1")
+    return int(text)
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse_choice(text: str) -> str:
         if text not in choices:
@@ -145,6 +151,38 @@ def _launcher(text: str) -> str:
     if text not in launcher_names():
         raise ValueError(f"is not a known launcher (one of: {', '.join(launcher_names())})")
     return text
+
+
+#: ``HPC_FAULT`` kinds: those that take an argument after a colon, and those that do not.
+FAULT_KINDS = ("kill", "hang", "exit", "exc", "slow", "bitflip")
+
+
+def _faults(text: str) -> tuple[tuple[int, int, str, Optional[float]], ...]:
+    """``rank:step:kind[:arg],...`` -> ``((rank, step, kind, arg), ...)``."""
+    found = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) < 3 or not parts[0].isdigit() or not parts[1].isdigit():
+            raise ValueError(f"names {item!r}, which is not rank:step:kind")
+        rank, step, kind, rest = int(parts[0]), int(parts[1]), parts[2], parts[3:]
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"names the kind {kind!r}, not one of {', '.join(FAULT_KINDS)}")
+        arg: Optional[float] = None
+        if kind == "slow":
+            try:
+                arg = float(rest[0]) if len(rest) == 1 else math.nan
+            except ValueError:
+                arg = math.nan
+            if not math.isfinite(arg) or arg <= 1:
+                raise ValueError(f"names {item!r}: slow takes a factor > 1 (slow:2)")
+        elif rest:
+            raise ValueError(f"names {item!r}: {kind} takes no argument")
+        found.append((rank, step, kind, arg))
+    if not found:
+        raise ValueError("names no fault")
+    return tuple(found)
 
 
 _NETWORK_MODES = ("set", "print", "off")
@@ -221,6 +259,21 @@ VARIABLES: dict[str, Variable] = _table(
     Variable("HPC_REQUEUE_MARKER", _text, "a file path", None, "none",
              "a file the batch shell watches: where scontrol is missing the master writes "
              "the job to requeue there (set by slurm/lib/preempt.sh)", error=PreemptError),
+    Variable("HPC_STRAGGLER", _switch, "1 or 0 (also on/off, true/false, yes/no)", True, "1",
+             "name a rank (and its host) that computes slower than the others, or than "
+             "itself earlier, while training runs (hpc.AgreedStop, hpc pretrain)"),
+    Variable("HPC_STRAGGLER_EVERY", _positive, "a whole number >= 1, e.g. 20", 20, "20",
+             "steps per straggler window: the ranks' step times are compared once per "
+             "window, in a collective the loop makes anyway"),
+    Variable("HPC_SDC", _choice("stop", "warn", "off"), "stop | warn | off", "stop", "stop",
+             "what a rank whose replicated state (parameters, optimizer state) differs "
+             "from the majority's does: stop the job naming it, or warn"),
+    Variable("HPC_SDC_EVERY", _count, "a whole number >= 0, e.g. 100 (0: never)", 100, "100",
+             "steps between two checks of the replicated state across ranks"),
+    Variable("HPC_FAULT", _faults,
+             "rank:step:kind[,...]; kind: kill, hang, exit, exc, slow:<factor>, bitflip",
+             None, "none", "inject a fault into rank at step (prove the job recovers, or "
+             "that a straggler or a corrupt rank is named)"),
     Variable("HPC_STEP_HOOK", _reference, "module:function, e.g. mypkg.hooks:on_step", None,
              "none", "a function called (no arguments) at every poll of the preemption "
              "guard, i.e. once per step: fault injection", error=PreemptError),

@@ -18,6 +18,8 @@ __all__ = [
     "PreemptError",
     "SubmitError",
     "CollectiveError",
+    "SilentCorruptionError",
+    "InjectedFault",
 ]
 
 #: Exit status of every rank after a successful requeue (sysexits' EX_TEMPFAIL): not a
@@ -64,3 +66,12 @@ class SubmitError(HPCError):
 
 class CollectiveError(HPCError):
     """A collective timed out or failed after init; the message names the stuck rank(s)."""
+
+
+class SilentCorruptionError(HPCError):
+    """The replicated state (parameters, optimizer state) of some rank differs from the
+    majority's; the message names the rank(s), host(s), step and tensor(s)."""
+
+
+class InjectedFault(HPCError):
+    """Raised on purpose by ``HPC_FAULT=rank:step:exc`` (an application error)."""

@@ -25,7 +25,7 @@ requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (s
 from __future__ import annotations
 
 import sys
-from typing import NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 from hpc.preempt.guard import PreemptGuard
 from hpc.preempt.requeue import close_before_failing_exit, requeue_after_stop
@@ -41,19 +41,42 @@ class AgreedStop:
             ``HPC_PREEMPT_SIGNALS``, else the warning signal and TERM).
         every: Agree only on steps that are multiples of ``every`` (the same on every
             rank); other calls return False without a collective.
+        model, optimizer: The replicated state to compare across ranks every
+            ``HPC_SDC_EVERY`` steps (silent-corruption check; none without ``model``).
+
+    Each call is also a step boundary of :class:`hpc.health.step.StepHealth`: the
+    straggler detector's timing (its rows ride in this call's collective once per
+    ``HPC_STRAGGLER_EVERY`` steps, an all_gather instead of the all_reduce), the
+    corruption check and ``HPC_FAULT``.
 
     Attributes:
         stopped: True once a call returned True.
         step: The step of that call.
     """
 
-    def __init__(self, guard: Optional[PreemptGuard] = None, *, every: int = 1) -> None:
+    def __init__(self, guard: Optional[PreemptGuard] = None, *, every: int = 1,
+                 model: Any = None, optimizer: Any = None) -> None:
         if int(every) < 1:
             raise ValueError(f"AgreedStop: every={every} must be >= 1 (1: every step).")
         self.guard = guard if guard is not None else PreemptGuard().install()
         self.every = int(every)
         self.stopped = False
         self.step: Optional[int] = None
+        self._watched = (model, optimizer)
+        self._health: Any = None
+
+    @property
+    def health(self) -> Any:
+        """The :class:`~hpc.health.step.StepHealth` of this loop (made at the first
+        call, once the process group exists)."""
+        if self._health is None:
+            from hpc.health.step import StepHealth
+            from hpc.sync.agree import world
+
+            rank, ws = world()
+            self._health = StepHealth(rank, ws, model=self._watched[0],
+                                      optimizer=self._watched[1])
+        return self._health
 
     @property
     def requested(self) -> bool:
@@ -72,11 +95,16 @@ class AgreedStop:
         guard's step hook (``HPC_STEP_HOOK``) on every call.
         """
         local = self.guard()
+        health = self.health
+        health.boundary(step)
         if self.stopped:
             return True
         if step % self.every:
             return False
-        agreed = self._agree(local)
+        if health.due(step):
+            agreed = self._agree_with_rows(local, health, step)
+        else:
+            agreed = self._agree(local)
         if agreed:
             self.stopped, self.step = True, int(step)
         return agreed
@@ -85,6 +113,14 @@ class AgreedStop:
         from hpc.sync.agree import any_true  # torch: only once the loop runs
 
         return any_true(local)
+
+    def _agree_with_rows(self, local: bool, health: Any, step: int) -> bool:
+        """The agreement and the straggler rows in one all_gather."""
+        from hpc.sync.agree import gather_rows
+
+        table = gather_rows([1.0 if local else 0.0, *health.row()])
+        health.receive(step, [row[1:] for row in table])
+        return any(row[0] > 0 for row in table)
 
     def exit_code(self, step: int, checkpoint: Optional[str] = None, *,
                   stopped: Optional[bool] = None) -> int:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpc
+from hpc.health.step import StepHealth
 from hpc.pretrain import resume as resume_mod
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, epoch_batches, load_data, steps_per_epoch, val_shard
@@ -229,6 +230,8 @@ class _Run:
     def train(self, stop_requested: Optional[Callable[[], bool]]) -> None:
         """The epoch loop, from the resumed position to the last epoch or a stop."""
         self.reducer = StepReducer(self.space, self.dev)
+        self.health = StepHealth(self.rank, self.world, model=self.space,
+                                 optimizer=self.optimizer, run_dir=self.run_dir)
         self.show = self.cfg.progress and self.info.local_rank == 0
         self.started = time.perf_counter()
         self.space.train()
@@ -259,6 +262,7 @@ class _Run:
                 self._end_epoch(epoch, loss_sum / max(loss_n, 1), lr)
             if epoch_end or stop or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
                 self._checkpoint_after(epoch, done_before + i + 1, epoch_end)
+                self.health.skip()  # validation and the checkpoint are not a step
             if stop:
                 break
         if bar is not None:
@@ -300,8 +304,13 @@ class _Run:
         lr = optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         local_stop = bool(stop_requested()) if stop_requested is not None else False
+        health = self.health
+        health.boundary(self.step)
+        due = health.due(self.step)
         stats = self.reducer(loss.detach() * yb.numel(), (out.argmax(1) == yb).sum(),
-                             yb.numel(), local_stop)
+                             yb.numel(), local_stop, health.row() if due else None)
+        if due and stats.rows is not None:
+            health.receive(self.step, stats.rows)
         self.train_time += time.perf_counter() - t0
         self.run_steps += 1
         return stats, lr

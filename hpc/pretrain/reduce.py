@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ class StepStats:
     acc: float         #: training accuracy over the global batch
     samples: int       #: global batch size
     stop: bool         #: some rank asked to stop at this step boundary
+    rows: Optional[list[list[float]]] = None  #: every rank's ``row`` when one was given
 
 
 class StepReducer:
@@ -67,12 +69,19 @@ class StepReducer:
 
     @torch.no_grad()
     def __call__(self, loss_sum: Tensor, correct: Tensor, count: int,
-                 stop: bool) -> StepStats:
+                 stop: bool, row: Optional[list[float]] = None) -> StepStats:
+        """The step's stats; ``row`` (the straggler detector's, on its window steps)
+        travels in the same all_reduce, each rank's in its own slot: a gather."""
         if self.world == 1:  # one device-to-host copy, nothing else
             loss_total, corr = torch.stack([loss_sum.detach().float(), correct.float()]).tolist()
             return StepStats(loss=loss_total / max(count, 1), acc=corr / max(count, 1),
-                             samples=count, stop=stop)
-        extra = torch.tensor([float(count), float(stop)], device=self.device)
+                             samples=count, stop=stop, rows=None if row is None else [row])
+        slots = [float(count), float(stop)]
+        if row is not None:
+            slots += [0.0] * (len(row) * self.world)
+            at = 2 + len(row) * world()[0]
+            slots[at:at + len(row)] = row
+        extra = torch.tensor(slots, device=self.device)
         # One cat (it promotes the int64 counters) and, after the all_reduce, one div,
         # one round and two multi-tensor copies: a fixed handful of kernels per step,
         # not three per buffer.
@@ -80,12 +89,17 @@ class StepReducer:
                           correct.float().reshape(1).to(self.device), extra]
                          + [b.reshape(-1) for b in self.buffers]).float()
         dist.all_reduce(flat)
-        values = flat[:4].tolist()
+        head = 2 + len(slots)
+        values = flat[:head].tolist()
         if self.buffers:
-            self._copy_back(flat[4:])
-        loss, corr, n, flag = values
+            self._copy_back(flat[head:])
+        loss, corr, n, flag = values[:4]
+        rows = None
+        if row is not None:
+            k = len(row)
+            rows = [values[4 + r * k:4 + (r + 1) * k] for r in range(self.world)]
         return StepStats(loss=loss / max(n, 1.0), acc=corr / max(n, 1.0), samples=int(n),
-                         stop=flag > 0)
+                         stop=flag > 0, rows=rows)
 
     def _copy_back(self, summed: Tensor) -> None:
         """Buffers := the mean of ``summed`` (integer counters rounded), fused."""

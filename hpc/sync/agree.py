@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hpc.sync._collective import comm_device, same_on_all_ranks, start_max
 
 __all__ = ["all_true", "any_true", "broadcast_object", "comm_device", "gather_objects",
-           "max_ints", "same_on_all_ranks", "world"]
+           "gather_ints", "gather_rows", "max_ints", "same_on_all_ranks", "world"]
 
 
 def world(group: Optional[Any] = None) -> tuple[int, int]:
@@ -42,6 +42,30 @@ def max_ints(values: Sequence[int], group: Optional[Any] = None) -> list[int]:
         return [int(v) for v in values]
     t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
     return [int(v) for v in start_max(t, group).wait().tolist()]
+
+
+def gather_rows(row: Sequence[float], group: Optional[Any] = None) -> list[list[float]]:
+    """Every rank's ``row`` of floats (same length on all ranks), in rank order, on every
+    rank: one ``all_gather`` of float64."""
+    return [[float(v) for v in r] for r in _gather(list(row), torch.float64, group)]
+
+
+def gather_ints(values: Sequence[int], group: Optional[Any] = None) -> list[list[int]]:
+    """Every rank's ``values`` (int64, same length on all ranks), in rank order."""
+    return [[int(v) for v in r] for r in _gather(list(values), torch.int64, group)]
+
+
+def _gather(values: list[Any], dtype: torch.dtype, group: Optional[Any]) -> list[list[Any]]:
+    _, size = world(group)
+    if size == 1:
+        return [values]
+    dev = comm_device(group)
+    mine = torch.tensor(values, dtype=dtype, device=dev)
+    out = torch.empty(size * len(values), dtype=dtype, device=dev)
+    # looked up per call, so the watchdog's tracker (installed later) sees it
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, mine, group=group)
+    return out.view(size, len(values)).tolist()
 
 
 def all_true(ok: bool, group: Optional[Any] = None) -> bool:

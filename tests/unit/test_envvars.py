@@ -28,6 +28,11 @@ TYPOS = {
     "HPC_MAX_REQUEUES": "three",
     "HPC_STEP_HOOK": "mypkg.hooks.on_step",
     "HPC_ALLOW_CPU": "yes",
+    "HPC_STRAGGLER": "auto",
+    "HPC_STRAGGLER_EVERY": "0",
+    "HPC_SDC": "raise",
+    "HPC_SDC_EVERY": "1e2",
+    "HPC_FAULT": "3:kill",
 }
 #: Variables whose value is any text (a path, an id): nothing to get wrong in the form.
 FREE_TEXT = {"HPC_LOG_DIR", "HPC_ERROR_DIR", "HPC_RUN_ID", "HPC_PYTHON", "HPC_STOP_FILE",
@@ -45,6 +50,11 @@ ACCEPTED = [
     ("HPC_MAX_REQUEUES", "0", 0), ("HPC_MAX_REQUEUES", "3", 3),
     ("HPC_STEP_HOOK", "mypkg.hooks:on_step", "mypkg.hooks:on_step"),
     ("HPC_LOG_DIR", "/tmp/x", "/tmp/x"), ("HPC_ALLOW_CPU", "1", "1"),
+    ("HPC_STRAGGLER", "off", False), ("HPC_STRAGGLER_EVERY", "5", 5),
+    ("HPC_SDC", "warn", "warn"), ("HPC_SDC_EVERY", "0", 0),
+    ("HPC_FAULT", "3:50:kill", ((3, 50, "kill", None),)),
+    ("HPC_FAULT", "1:20:slow:1.5, 0:7:bitflip",
+     ((1, 20, "slow", 1.5), (0, 7, "bitflip", None))),
 ]
 
 

@@ -1,0 +1,244 @@
+"""While training runs: stragglers, silent corruption and injected faults, per step.
+
+:class:`StepHealth` is what a training loop's step boundary calls (every rank, every
+step, the same step number): :class:`hpc.AgreedStop` calls it from ``stop(step)`` and
+``hpc pretrain`` from its step. At each boundary it
+
+1. splits the step into compute and wait (:class:`~hpc.health.straggler.StepClock`),
+2. applies this rank's ``HPC_FAULT`` (:mod:`hpc.health.fault`),
+3. every ``HPC_SDC_EVERY`` steps compares the replicated state across ranks
+   (:mod:`hpc.health.divergence`; needs the model, optional optimizer),
+
+and on window steps (``HPC_STRAGGLER_EVERY``) hands the caller this rank's row
+(:meth:`row`), which the caller carries in its own collective and gives back as the
+table of every rank's rows (:meth:`receive`): the straggler verdicts
+(:func:`~hpc.health.straggler.judge`), one log line on the global master per new
+verdict, and ``stragglers.json`` in the run directory.
+
+The split needs the watchdog's collective tracker (``HPC_WATCHDOG=1``, the default);
+without it straggler detection is off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from hpc.health.fault import Injector
+from hpc.health.straggler import (
+    Baselines,
+    Finding,
+    Rules,
+    StepClock,
+    judge,
+    ranks_text,
+    slow_roots,
+)
+from hpc.watchdog import tracker
+
+__all__ = ["StepHealth", "probe_links", "PROBE_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes each host's first rank broadcasts when the link probe runs.
+PROBE_BYTES = 1 << 20
+
+
+class StepHealth:
+    """This rank's per-step health checks (see the module's docstring).
+
+    Args:
+        rank, world: This rank and the world size (the default group).
+        model, optimizer: The replicated state the corruption check digests (None: no
+            check); ``model`` may be set later (the attribute ``model``).
+        run_dir: Where the global master writes ``stragglers.json`` (default
+            ``HPC_LOG_DIR``; None: no file).
+        environ: Where the ``HPC_*`` settings are read (default ``os.environ``).
+    """
+
+    def __init__(self, rank: int, world: int, *, model: Any = None, optimizer: Any = None,
+                 run_dir: Optional[os.PathLike[str] | str] = None,
+                 environ: Optional[Any] = None, rules: Rules = Rules()) -> None:
+        from hpc import envvars
+
+        env = os.environ if environ is None else environ
+        self.rank, self.world, self.rules = rank, world, rules
+        self.model, self.optimizer = model, optimizer
+        self.every = envvars.value("HPC_STRAGGLER_EVERY", env)
+        self.stragglers = bool(envvars.value("HPC_STRAGGLER", env)) and world > 1 \
+            and tracker.waited() is not None
+        self.sdc = envvars.value("HPC_SDC", env)
+        self.sdc_every = envvars.value("HPC_SDC_EVERY", env) if self.sdc != "off" else 0
+        self.injector = Injector.from_env(rank, env)
+        self.clock = StepClock(tracker.waited)
+        self.baselines = Baselines()
+        self.window_start: Optional[int] = None
+        self._window = -1
+        self._active: dict[tuple[str, tuple[int, ...]], Finding] = {}
+        self.findings: list[dict[str, Any]] = []
+        self.hosts: Optional[list[str]] = None
+        self.host = socket.gethostname()
+        log_dir = run_dir if run_dir is not None else envvars.value("HPC_LOG_DIR", env)
+        self.path = Path(log_dir) / "stragglers.json" if log_dir else None
+        self.corrupt: Optional[Any] = None  #: the last :class:`Mismatch` (HPC_SDC=warn)
+
+    # -- at every step boundary ------------------------------------------------------
+
+    def boundary(self, step: int) -> None:
+        """Step ``step`` is done on this rank (before the caller's stop collective)."""
+        compute = self.clock.mark()
+        if self.window_start is None:
+            self.window_start = step
+        if self.injector:
+            params = self.model.named_parameters() if self.model is not None else None
+            self.injector.at_step(step, compute, params)
+        if self.sdc_every and self.model is not None and self.world > 1 \
+                and step % self.sdc_every == 0:
+            t0 = time.perf_counter()
+            self.check_replicas(step)
+            self.clock.shift(time.perf_counter() - t0)
+
+    def skip(self) -> None:
+        """The time until the next boundary is not a training step (validation, a
+        checkpoint): left out of the split."""
+        self.clock.skip()
+
+    # -- straggler windows -------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether the caller's collective at ``step`` carries the rows (the same answer
+        on every rank: the first carried step of each window of ``every`` steps)."""
+        return self.stragglers and step // self.every > self._window
+
+    def row(self) -> list[float]:
+        """This rank's :data:`~hpc.health.straggler.FIELDS` for the window now ending."""
+        return self.clock.window(self.rules.trim)
+
+    def receive(self, step: int, table: list[list[float]]) -> list[Finding]:
+        """Every rank's row (rank order, the same on every rank): the window's verdicts."""
+        t0 = time.perf_counter()
+        self._window = step // self.every
+        start, self.window_start = self.window_start, step + 1
+        if self.hosts is None:
+            from hpc.sync.agree import gather_objects
+
+            self.hosts = gather_objects(self.host)
+        if any(row[3] == 0 for row in table):  # a rank's first window: nothing to compare
+            self.clock.shift(time.perf_counter() - t0)
+            return []
+        found = judge(table, self.baselines, self.rules)
+        self.baselines.add(table, self.rules.baseline)
+        verdicts = []
+        for f in found:
+            if f.kind == "link":
+                verdicts += self._probe(f)
+            else:
+                verdicts.append(f)
+        self._report(verdicts, start if start is not None else step, step)
+        self.clock.shift(time.perf_counter() - t0)
+        return verdicts
+
+    def _probe(self, suspicion: Finding) -> list[Finding]:
+        """The job slowed while no rank computes slower: time each host's link."""
+        assert self.hosts is not None
+        hosts = list(dict.fromkeys(self.hosts))
+        if len(hosts) < 2:
+            return []
+        roots = [self.hosts.index(h) for h in hosts]
+        seconds = probe_links(roots)
+        slow = slow_roots(seconds, self.rules)
+        median = sorted(seconds)[len(seconds) // 2]
+        return [Finding("link", tuple(r for r, h in enumerate(self.hosts) if h == hosts[i]),
+                        seconds[i] / max(median, 1e-12), median, suspicion.others_waited)
+                for i in slow]
+
+    def _report(self, verdicts: list[Finding], start: int, end: int) -> None:
+        now = {(f.kind, f.ranks): f for f in verdicts}
+        for key, f in now.items():
+            if key not in self._active:
+                record = {"steps": [start, end], "hosts": self._hosts_of(f.ranks),
+                          "time": time.time(), **f.as_dict()}
+                self.findings.append(record)
+                if self.rank == 0:
+                    logger.warning("%s", self.describe(f, start, end))
+        for key, f in self._active.items():
+            if key not in now and self.rank == 0:
+                logger.info("straggler cleared: %s (%s) by step %d",
+                            ", ".join(self._hosts_of(f.ranks)), ranks_text(f.ranks), end)
+        if now.keys() != self._active.keys():
+            self._write()
+        self._active = now
+
+    def _hosts_of(self, ranks: tuple[int, ...]) -> list[str]:
+        hosts = self.hosts or []
+        return list(dict.fromkeys(hosts[r] for r in ranks if r < len(hosts)))
+
+    def describe(self, f: Finding, start: int, end: int) -> str:
+        """The verdict's log line."""
+        where = f"{', '.join(self._hosts_of(f.ranks))} ({ranks_text(f.ranks)})"
+        waited = "" if math.isnan(f.others_waited) else \
+            f"; others waited {100 * f.others_waited:.0f} % of the step"
+        if f.kind == "relative":
+            return (f"straggler: {where} {f.factor:.1f}x the median compute time "
+                    f"({1e3 * f.reference_s:.1f} ms) over steps {start}-{end}{waited}")
+        if f.kind == "individual":
+            return (f"straggler: {where} {f.factor:.1f}x its own earlier compute time "
+                    f"({1e3 * f.reference_s:.1f} ms) over steps {start}-{end}{waited}")
+        return (f"straggler: {where}: slow link, a {PROBE_BYTES >> 10} KiB broadcast from it "
+                f"took {f.factor:.1f}x the median host's ({1e3 * f.reference_s:.1f} ms) "
+                f"after steps {start}-{end}{waited}")
+
+    def _write(self) -> None:
+        if self.rank != 0 or self.path is None:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"findings": self.findings}, indent=1) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not write %s: %s", self.path, e)
+
+    # -- silent corruption -------------------------------------------------------------
+
+    def check_replicas(self, step: int) -> None:
+        """Compare the replicated state across ranks now (collective); on a mismatch
+        raise :class:`~hpc.errors.SilentCorruptionError` on every rank
+        (``HPC_SDC=stop``) or warn once per step (``HPC_SDC=warn``)."""
+        from hpc.errors import SilentCorruptionError
+        from hpc.health import divergence
+
+        named = divergence.named_state(self.model, self.optimizer)
+        found = divergence.check(step, named, self.host)
+        if found is None:
+            return
+        self.corrupt = found
+        if self.sdc == "stop":
+            raise SilentCorruptionError(found.message())
+        if self.rank == 0:
+            logger.warning("%s", found.message().splitlines()[0])
+
+
+def probe_links(roots: list[int], nbytes: int = PROBE_BYTES) -> list[float]:
+    """Seconds of one ``broadcast`` of ``nbytes`` from each of ``roots`` (collective),
+    each the slowest rank's, the same list on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc.sync.agree import comm_device, gather_rows
+
+    payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=comm_device())
+    mine = []
+    for root in roots:
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(payload, src=root)
+        mine.append(time.perf_counter() - t0)
+    table = gather_rows(mine)
+    return [max(row[i] for row in table) for i in range(len(roots))]

@@ -1,0 +1,218 @@
+"""Stragglers while training runs: the rank (and host) that sets everybody's pace.
+
+In a synchronous job one slow rank makes every other rank wait in the next collective,
+so step times alone say the job is slow, not who. What tells them apart is how a step's
+time splits: a rank's **compute** time is its step's wall time minus the time its host
+was blocked in world collectives (:attr:`hpc.watchdog.tracker.Progress.waited`), and
+its **wait** is the rest. The slow rank computes longest and waits least; the others
+wait for it.
+
+Per rank, :class:`StepClock` splits each step (from one step boundary to the next).
+Every ``every`` steps (a *window*) each rank's summary (:data:`FIELDS`) travels in a
+collective the loop makes anyway (:class:`hpc.AgreedStop`'s, ``hpc pretrain``'s
+metrics reduce), and :func:`judge` reads the table, the same on every rank:
+
+* **relative**: a rank whose window compute time is above ``relative`` times the
+  median of the ranks' (with 3 or more ranks);
+* **individual**: a rank whose window compute time is above ``individual`` times its
+  own baseline (the median of its first :attr:`Rules.baseline` windows), when at most
+  half the ranks are and not all (more is the job slowing, not a rank);
+* **link**: no rank computes slower, yet the median step took ``individual`` times
+  its baseline and the ranks spent most of it waiting: the wire, not a rank, is slow.
+  :func:`hpc.health.step.probe_links` then times one broadcast from each host's
+  first rank, and a host whose broadcast takes ``relative`` times the median has the
+  slow link.
+
+A window's compute time is a trimmed mean: its slowest :attr:`Rules.trim` of steps are
+left out, so a checkpoint the master writes, or a validation pass, does not make it a
+straggler; a rank slowed all through a window is not trimmed away. Differences below
+:attr:`Rules.floor_s` per step are never a verdict (sub-millisecond steps are noise).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = ["FIELDS", "Finding", "Rules", "StepClock", "Baselines", "judge", "ranks_text"]
+
+#: What each rank reports per window, in this order: trimmed mean compute seconds per
+#: step, mean wait seconds per step, mean wall seconds per step, steps in the window.
+FIELDS = ("compute", "wait", "wall", "steps")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Thresholds of the straggler verdicts (see the module's docstring)."""
+
+    relative: float = 1.3
+    individual: float = 1.5
+    trim: float = 0.2
+    floor_s: float = 0.001
+    baseline: int = 3
+    #: Fraction of the median step spent waiting above which a slow job is the wire's.
+    link_wait: float = 0.5
+
+
+class StepClock:
+    """This rank's per-step split of wall time into compute and wait.
+
+    Args:
+        waited: Seconds blocked in collectives so far (:func:`hpc.watchdog.tracker.waited`).
+        clock: A monotonic clock.
+    """
+
+    def __init__(self, waited: Callable[[], Optional[float]],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._waited, self._clock = waited, clock
+        self._last: Optional[tuple[float, float]] = None
+        self.steps: list[tuple[float, float]] = []  #: (compute, wait) of this window's steps
+
+    def mark(self) -> Optional[float]:
+        """A step boundary: record the step since the last one; its compute seconds
+        (None at the first boundary, or when nothing counts waits)."""
+        now, waited = self._clock(), self._waited()
+        last, self._last = self._last, (now, waited or 0.0)
+        if last is None or waited is None:
+            return None
+        wall, wait = now - last[0], max(0.0, waited - last[1])
+        compute = max(0.0, wall - wait)
+        self.steps.append((compute, wait))
+        return compute
+
+    def skip(self) -> None:
+        """The time until the next boundary is not a step (validation, a checkpoint)."""
+        self._last = None
+
+    def shift(self, seconds: float) -> None:
+        """Count ``seconds`` of the current step as neither compute nor wait (time the
+        rank spent on the detector itself)."""
+        if self._last is not None:
+            self._last = (self._last[0] + seconds, self._last[1])
+
+    def window(self, trim: float) -> list[float]:
+        """This window's :data:`FIELDS`, and a new window."""
+        steps, self.steps = self.steps, []
+        if not steps:
+            return [0.0, 0.0, 0.0, 0.0]
+        computes = sorted(c for c, _ in steps)
+        keep = computes[:max(1, len(computes) - int(len(computes) * trim))]
+        wait = sum(w for _, w in steps) / len(steps)
+        wall = sum(c + w for c, w in steps) / len(steps)
+        return [sum(keep) / len(keep), wait, wall, float(len(steps))]
+
+
+@dataclass
+class Baselines:
+    """Every rank's first windows: its own "normal" compute and wall time."""
+
+    compute: list[list[float]] = field(default_factory=list)
+    wall: list[list[float]] = field(default_factory=list)
+
+    def add(self, table: Sequence[Sequence[float]], n: int) -> None:
+        if not self.compute:
+            self.compute = [[] for _ in table]
+            self.wall = [[] for _ in table]
+        for r, row in enumerate(table):
+            if row[3] > 0 and len(self.compute[r]) < n:
+                self.compute[r].append(row[0])
+                self.wall[r].append(row[2])
+
+    def ready(self, n: int) -> bool:
+        return bool(self.compute) and all(len(c) >= n for c in self.compute)
+
+    def of(self, r: int) -> tuple[float, float]:
+        return statistics.median(self.compute[r]), statistics.median(self.wall[r])
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One verdict of :func:`judge`."""
+
+    kind: str                  #: "relative", "individual" or "link" (a suspicion to probe)
+    ranks: tuple[int, ...]     #: the slow ranks (empty for "link")
+    factor: float              #: their compute (wall, for "link") over the reference
+    reference_s: float         #: the median (relative) or baseline (individual, link)
+    others_waited: float       #: the other ranks' median share of the step spent waiting
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ranks"] = list(self.ranks)
+        return d
+
+
+def judge(table: Sequence[Sequence[float]], baselines: Baselines,
+          rules: Rules = Rules()) -> list[Finding]:
+    """The verdicts on one window's table (one row of :data:`FIELDS` per rank).
+
+    Pure: the same table gives every rank the same verdicts. ``baselines`` must already
+    hold the windows before this one (the caller adds this window after judging)."""
+    rows = [list(r) for r in table]
+    live = [r for r, row in enumerate(rows) if row[3] > 0]
+    if not live:
+        return []
+    compute = {r: rows[r][0] for r in live}
+    median = statistics.median(compute.values())
+    found: list[Finding] = []
+    slow = [r for r in live if len(live) >= 3 and compute[r] > rules.relative * median
+            and compute[r] - median > rules.floor_s]
+    if slow:
+        found.append(Finding("relative", tuple(slow), _ratio(slow, compute, median), median,
+                             _waited(rows, live, slow)))
+    if not baselines.ready(rules.baseline):
+        return found
+    own = {r: baselines.of(r) for r in live}
+    alone = [r for r in live if r not in slow and compute[r] > rules.individual * own[r][0]
+             and compute[r] - own[r][0] > rules.floor_s]
+    if alone and 2 * len(alone) <= len(live) and len(alone) < len(live):
+        base = statistics.median(own[r][0] for r in alone)
+        found.append(Finding("individual", tuple(alone),
+                             max(compute[r] / max(own[r][0], 1e-12) for r in alone), base,
+                             _waited(rows, live, alone)))
+    if not found:
+        wall = statistics.median(rows[r][2] for r in live)
+        base_wall = statistics.median(own[r][1] for r in live)
+        waited = _waited(rows, live, [])
+        if wall > rules.individual * base_wall and wall - base_wall > rules.floor_s \
+                and waited > rules.link_wait:
+            found.append(Finding("link", (), wall / max(base_wall, 1e-12), base_wall, waited))
+    return found
+
+
+def slow_roots(durations: Sequence[float], rules: Rules = Rules()) -> list[int]:
+    """Indices of the broadcasts (one per host) that took ``relative`` times the median
+    of the others' or more: the hosts with a slow link."""
+    if len(durations) < 2:
+        return []
+    out = []
+    for i, d in enumerate(durations):
+        others = statistics.median([x for j, x in enumerate(durations) if j != i])
+        if d > rules.relative * others and d - others > rules.floor_s:
+            out.append(i)
+    return out if len(out) < len(durations) / 2 or len(durations) == 2 and len(out) == 1 \
+        else []
+
+
+def _ratio(ranks: Sequence[int], compute: dict[int, float], median: float) -> float:
+    return max(compute[r] for r in ranks) / max(median, 1e-12)
+
+
+def _waited(rows: Sequence[Sequence[float]], live: Sequence[int],
+            exclude: Sequence[int]) -> float:
+    """The other ranks' median share of their step spent waiting."""
+    shares = [rows[r][1] / rows[r][2] for r in live if r not in exclude and rows[r][2] > 0]
+    return statistics.median(shares) if shares else math.nan
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``(4, 5)`` -> ``"ranks 4-5"``; ``(2,)`` -> ``"rank 2"``; ``(1, 3)`` -> ``"ranks 1,3"``."""
+    rs = sorted(ranks)
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    if rs == list(range(rs[0], rs[-1] + 1)):
+        return f"ranks {rs[0]}-{rs[-1]}"
+    return "ranks " + ",".join(map(str, rs))
