@@ -27,6 +27,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,8 +38,9 @@ from hpc.health.straggler import (
     Rules,
     StepClock,
     judge,
+    probe_shifts,
     ranks_text,
-    slow_roots,
+    slow_links,
 )
 from hpc.watchdog import tracker
 
@@ -46,8 +48,8 @@ __all__ = ["StepHealth", "probe_links", "PROBE_BYTES"]
 
 logger = logging.getLogger(__name__)
 
-#: Bytes each host's first rank broadcasts when the link probe runs.
-PROBE_BYTES = 1 << 20
+#: Bytes each host's first rank sends to two others when the link probe runs.
+PROBE_BYTES = 64 << 10
 
 
 class StepHealth:
@@ -76,6 +78,8 @@ class StepHealth:
         self.sdc = envvars.value("HPC_SDC", env)
         self.sdc_every = envvars.value("HPC_SDC_EVERY", env) if self.sdc != "off" else 0
         self.injector = Injector.from_env(rank, env)
+        if self.stragglers:
+            tracker.start_stall_meter()  # a frozen rank's stop is not its wait
         self.clock = StepClock(tracker.waited)
         self.baselines = Baselines()
         self.window_start: Optional[int] = None
@@ -83,6 +87,8 @@ class StepHealth:
         self._active: dict[tuple[str, tuple[int, ...]], Finding] = {}
         self.findings: list[dict[str, Any]] = []
         self.hosts: Optional[list[str]] = None
+        self._probed: Optional[list[Finding]] = None
+        self._suspects: set[int] = set()
         self.host = socket.gethostname()
         log_dir = run_dir if run_dir is not None else envvars.value("HPC_LOG_DIR", env)
         self.path = Path(log_dir) / "stragglers.json" if log_dir else None
@@ -132,14 +138,21 @@ class StepHealth:
         if any(row[3] == 0 for row in table):  # a rank's first window: nothing to compare
             self.clock.shift(time.perf_counter() - t0)
             return []
-        found = judge(table, self.baselines, self.rules)
+        found = judge(table, self.baselines, self.rules, self.hosts, self._suspects)
+        if self.rank == 0 and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("straggler window %s-%d (compute, wait, wall ms; steps): %s", start,
+                         step, "; ".join(f"{1e3 * r[0]:.1f} {1e3 * r[1]:.1f} {1e3 * r[2]:.1f} "
+                                         f"{r[3]:.0f}" for r in table))
         self.baselines.add(table, self.rules.baseline)
         verdicts = []
         for f in found:
-            if f.kind == "link":
-                verdicts += self._probe(f)
-            else:
+            if f.kind != "link":
                 verdicts.append(f)
+            elif self._probed is None:  # once per episode of the suspicion
+                self._probed = self._probe(f)
+        if not any(f.kind == "link" for f in found):
+            self._probed = None
+        verdicts += self._probed or []
         self._report(verdicts, start if start is not None else step, step)
         self.clock.shift(time.perf_counter() - t0)
         return verdicts
@@ -151,12 +164,20 @@ class StepHealth:
         if len(hosts) < 2:
             return []
         roots = [self.hosts.index(h) for h in hosts]
-        seconds = probe_links(roots)
-        slow = slow_roots(seconds, self.rules)
-        median = sorted(seconds)[len(seconds) // 2]
-        return [Finding("link", tuple(r for r, h in enumerate(self.hosts) if h == hosts[i]),
-                        seconds[i] / max(median, 1e-12), median, suspicion.others_waited)
-                for i in slow]
+        shifts = probe_shifts(len(hosts))
+        seconds = probe_links(roots, shifts)
+        if self.rank == 0:
+            logger.debug("straggler: the job slowed %.1fx while waiting; link probe, %d KiB "
+                         "from each host to the next and the one before: %s",
+                         suspicion.factor, PROBE_BYTES >> 10, "; ".join(
+                             f"{hosts[i]} -> {hosts[(i + s) % len(hosts)]} {1e3 * t:.1f} ms"
+                             for s, row in zip(shifts, seconds) for i, t in enumerate(row)))
+        out = []
+        for i, direction, factor, reference in slow_links(seconds, shifts, self.rules):
+            out.append(Finding("link", tuple(r for r, h in enumerate(self.hosts)
+                                             if h == hosts[i]), factor, reference,
+                               suspicion.others_waited, direction))
+        return out
 
     def _report(self, verdicts: list[Finding], start: int, end: int) -> None:
         now = {(f.kind, f.ranks): f for f in verdicts}
@@ -190,8 +211,8 @@ class StepHealth:
         if f.kind == "individual":
             return (f"straggler: {where} {f.factor:.1f}x its own earlier compute time "
                     f"({1e3 * f.reference_s:.1f} ms) over steps {start}-{end}{waited}")
-        return (f"straggler: {where}: slow link, a {PROBE_BYTES >> 10} KiB broadcast from it "
-                f"took {f.factor:.1f}x the median host's ({1e3 * f.reference_s:.1f} ms) "
+        return (f"straggler: {where}: slow link ({f.note}), {PROBE_BYTES >> 10} KiB took "
+                f"{f.factor:.0f}x the other hosts' median ({1e3 * f.reference_s:.1f} ms) "
                 f"after steps {start}-{end}{waited}")
 
     def _write(self) -> None:
@@ -225,20 +246,31 @@ class StepHealth:
             logger.warning("%s", found.message().splitlines()[0])
 
 
-def probe_links(roots: list[int], nbytes: int = PROBE_BYTES) -> list[float]:
-    """Seconds of one ``broadcast`` of ``nbytes`` from each of ``roots`` (collective),
-    each the slowest rank's, the same list on every rank."""
+def probe_links(roots: list[int], shifts: Sequence[int],
+                nbytes: int = PROBE_BYTES) -> list[list[float]]:
+    """For each shift ``s`` and each host ``i`` (its first rank ``roots[i]``): the seconds
+    ``nbytes`` take from host ``i`` to host ``i + s``, one transfer at a time (concurrent
+    ones would queue the receivers' acknowledgements behind a slow sender's data),
+    timed by the receiver (collective; the same table on every rank)."""
     import torch
     import torch.distributed as dist
 
     from hpc.sync.agree import comm_device, gather_rows
 
+    rank = dist.get_rank()
     payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=comm_device())
-    mine = []
-    for root in roots:
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.broadcast(payload, src=root)
-        mine.append(time.perf_counter() - t0)
+    n = len(roots)
+    mine = [0.0] * (n * len(shifts))
+    for k, shift in enumerate(shifts):
+        for i in range(n):
+            src, dst = roots[i], roots[(i + shift) % n]
+            dist.barrier()
+            if rank == src:
+                dist.send(payload, dst)
+            elif rank == dst:
+                t0 = time.perf_counter()
+                dist.recv(payload, src)
+                mine[k * n + i] = time.perf_counter() - t0
     table = gather_rows(mine)
-    return [max(row[i] for row in table) for i in range(len(roots))]
+    return [[max(row[k * n + i] for row in table) for i in range(n)]
+            for k in range(len(shifts))]

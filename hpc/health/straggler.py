@@ -12,21 +12,26 @@ Every ``every`` steps (a *window*) each rank's summary (:data:`FIELDS`) travels 
 collective the loop makes anyway (:class:`hpc.AgreedStop`'s, ``hpc pretrain``'s
 metrics reduce), and :func:`judge` reads the table, the same on every rank:
 
-* **relative**: a rank whose window compute time is above ``relative`` times the
-  median of the ranks' (with 3 or more ranks);
+* **relative**: a rank whose window compute time is above ``relative`` times its
+  reference, the median of the ranks on other hosts (a whole slow node is not its own
+  reference; on one host, of the other ranks);
 * **individual**: a rank whose window compute time is above ``individual`` times its
   own baseline (the median of its first :attr:`Rules.baseline` windows), when at most
   half the ranks are and not all (more is the job slowing, not a rank);
 * **link**: no rank computes slower, yet the median step took ``individual`` times
   its baseline and the ranks spent most of it waiting: the wire, not a rank, is slow.
-  :func:`hpc.health.step.probe_links` then times one broadcast from each host's
-  first rank, and a host whose broadcast takes ``relative`` times the median has the
-  slow link.
+  :func:`hpc.health.step.probe_links` then times one transfer from each host's first
+  rank to the next host's and to the previous one's, one at a time, and
+  :func:`slow_links` names a host whose sends (or receives) are slow with both partners
+  (:attr:`Rules.link` times the others' median).
 
 A window's compute time is a trimmed mean: its slowest :attr:`Rules.trim` of steps are
 left out, so a checkpoint the master writes, or a validation pass, does not make it a
-straggler; a rank slowed all through a window is not trimmed away. Differences below
-:attr:`Rules.floor_s` per step are never a verdict (sub-millisecond steps are noise).
+straggler; a rank slowed all through a window is not trimmed away. A rank is named only
+when what it computes above its reference is at least :attr:`Rules.share` of the median
+step in one window, or half that in two windows in a row (it costs the job that much: an 8 ms excess in a 130 ms step that the wire slowed is
+not the cause), and more than :attr:`Rules.floor_s`; never more than half the ranks (that
+is the job slowing, not a rank).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["FIELDS", "Finding", "Rules", "StepClock", "Baselines", "judge", "ranks_text"]
+__all__ = ["FIELDS", "Finding", "Rules", "StepClock", "Baselines", "judge", "probe_shifts",
+           "ranks_text", "references", "slow_links"]
 
 #: What each rank reports per window, in this order: trimmed mean compute seconds per
 #: step, mean wait seconds per step, mean wall seconds per step, steps in the window.
@@ -49,13 +55,20 @@ FIELDS = ("compute", "wait", "wall", "steps")
 class Rules:
     """Thresholds of the straggler verdicts (see the module's docstring)."""
 
-    relative: float = 1.3
+    relative: float = 1.5
     individual: float = 1.5
+    #: A rank's compute above the reference must be at least this share of the median
+    #: step: a rank that costs the job less than that is not named.
+    share: float = 0.2
     trim: float = 0.2
     floor_s: float = 0.001
     baseline: int = 3
     #: Fraction of the median step spent waiting above which a slow job is the wire's.
     link_wait: float = 0.5
+    #: A probed transfer this many times the others' median (and ``floor_s`` more) is a
+    #: slow link: links that fail are slow by orders of magnitude, probes of a healthy
+    #: one vary by 2-3x.
+    link: float = 5.0
 
 
 class StepClock:
@@ -138,6 +151,7 @@ class Finding:
     factor: float              #: their compute (wall, for "link") over the reference
     reference_s: float         #: the median (relative) or baseline (individual, link)
     others_waited: float       #: the other ranks' median share of the step spent waiting
+    note: str = ""             #: for "link": "sending" or "receiving"
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,29 +159,66 @@ class Finding:
         return d
 
 
-def judge(table: Sequence[Sequence[float]], baselines: Baselines,
-          rules: Rules = Rules()) -> list[Finding]:
-    """The verdicts on one window's table (one row of :data:`FIELDS` per rank).
+def references(compute: dict[int, float], hosts: Optional[Sequence[str]]) -> dict[int, float]:
+    """Each rank's reference compute time: the median of the ranks on other hosts (a
+    whole slow node is not its own reference), else of the other ranks."""
+    out = {}
+    for r in compute:
+        others = [c for q, c in compute.items() if q != r and (
+            hosts is None or hosts[q] != hosts[r])]
+        if not others:
+            others = [c for q, c in compute.items() if q != r]
+        out[r] = statistics.median(others) if others else compute[r]
+    return out
 
-    Pure: the same table gives every rank the same verdicts. ``baselines`` must already
-    hold the windows before this one (the caller adds this window after judging)."""
+
+def judge(table: Sequence[Sequence[float]], baselines: Baselines,
+          rules: Rules = Rules(), hosts: Optional[Sequence[str]] = None,
+          suspects: Optional[set[int]] = None) -> list[Finding]:
+    """The verdicts on one window's table (one row of :data:`FIELDS` per rank; ``hosts``:
+    each rank's host).
+
+    Pure but for ``suspects``: the ranks that cost the job half of :attr:`Rules.share`
+    in the window before; the set is replaced by this window's, and a rank in both is
+    named as if it cost the full share (two windows of weaker evidence). The same
+    table gives every rank the same verdicts. ``baselines`` must already hold the
+    windows before this one (the caller adds this window after judging)."""
+    before = set(suspects or ())
+    if suspects is not None:
+        suspects.clear()
     rows = [list(r) for r in table]
     live = [r for r, row in enumerate(rows) if row[3] > 0]
-    if not live:
+    if len(live) < 2:
         return []
     compute = {r: rows[r][0] for r in live}
-    median = statistics.median(compute.values())
+    step = statistics.median(rows[r][2] for r in live)
+    ref = references(compute, hosts)
+
+    def costly(r: int, reference: float, factor: float) -> bool:
+        excess = compute[r] - reference
+        if compute[r] <= factor * reference or excess <= rules.floor_s:
+            return False
+        if excess >= rules.share * step:
+            return True
+        if excess >= rules.share / 2 * step:
+            if suspects is not None:
+                suspects.add(r)
+            return r in before
+        return False
+
     found: list[Finding] = []
-    slow = [r for r in live if len(live) >= 3 and compute[r] > rules.relative * median
-            and compute[r] - median > rules.floor_s]
-    if slow:
-        found.append(Finding("relative", tuple(slow), _ratio(slow, compute, median), median,
+    slow = [r for r in live if costly(r, ref[r], rules.relative)]
+    if slow and 2 * len(slow) <= len(live):
+        found.append(Finding("relative", tuple(slow),
+                             max(compute[r] / max(ref[r], 1e-12) for r in slow),
+                             statistics.median(ref[r] for r in slow),
                              _waited(rows, live, slow)))
+    else:
+        slow = []
     if not baselines.ready(rules.baseline):
         return found
     own = {r: baselines.of(r) for r in live}
-    alone = [r for r in live if r not in slow and compute[r] > rules.individual * own[r][0]
-             and compute[r] - own[r][0] > rules.floor_s]
+    alone = [r for r in live if r not in slow and costly(r, own[r][0], rules.individual)]
     if alone and 2 * len(alone) <= len(live) and len(alone) < len(live):
         base = statistics.median(own[r][0] for r in alone)
         found.append(Finding("individual", tuple(alone),
@@ -183,22 +234,46 @@ def judge(table: Sequence[Sequence[float]], baselines: Baselines,
     return found
 
 
-def slow_roots(durations: Sequence[float], rules: Rules = Rules()) -> list[int]:
-    """Indices of the broadcasts (one per host) that took ``relative`` times the median
-    of the others' or more: the hosts with a slow link."""
-    if len(durations) < 2:
-        return []
+def probe_shifts(hosts: int) -> tuple[int, ...]:
+    """The link probe's partners: each host sends to the next host and to the one before
+    (the same one with two hosts)."""
+    return (1,) if hosts == 2 else (1, -1)
+
+
+def _slow(durations: Sequence[float], rules: Rules) -> list[int]:
+    """Indices whose duration is :attr:`Rules.link` times the median of the others' or
+    more, at most half of them."""
     out = []
     for i, d in enumerate(durations):
         others = statistics.median([x for j, x in enumerate(durations) if j != i])
-        if d > rules.relative * others and d - others > rules.floor_s:
+        if d > rules.link * others and d - others > rules.floor_s:
             out.append(i)
-    return out if len(out) < len(durations) / 2 or len(durations) == 2 and len(out) == 1 \
-        else []
+    return out if 2 * len(out) <= len(durations) else []
 
 
-def _ratio(ranks: Sequence[int], compute: dict[int, float], median: float) -> float:
-    return max(compute[r] for r in ranks) / max(median, 1e-12)
+def slow_links(seconds: Sequence[Sequence[float]], shifts: Sequence[int],
+               rules: Rules = Rules()) -> list[tuple[int, str, float, float]]:
+    """The hosts with a slow link from :func:`~hpc.health.step.probe_links`'s table
+    (``seconds[k][i]``: host ``i`` to host ``i + shifts[k]``): ``(host index, "sending" or
+    "receiving", factor, the median transfer's seconds)``.
+
+    A host whose transfers to both partners are slow sends slowly; one whose transfers
+    from both are slow receives slowly. With two hosts the direction is the sender's."""
+    n = len(seconds[0]) if seconds else 0
+    senders = [set(_slow(row, rules)) for row in seconds]
+    receivers = [{(i + s) % n for i in slow} for s, slow in zip(shifts, senders)]
+    out = []
+    for kind, sets, of in (("sending", senders, lambda k, i: i),
+                           ("receiving", receivers, lambda k, i: (i - shifts[k]) % n)):
+        for host in sorted(set.intersection(*sets) if sets else set()):
+            times = [seconds[k][of(k, host)] for k in range(len(seconds))]
+            rest = [t for k, row in enumerate(seconds) for i, t in enumerate(row)
+                    if i != of(k, host)]
+            median = statistics.median(rest) if rest else 0.0
+            out.append((host, kind, min(times) / max(median, 1e-12), median))
+        if out:
+            return out
+    return out
 
 
 def _waited(rows: Sequence[Sequence[float]], live: Sequence[int],

@@ -42,7 +42,7 @@ from typing import Any, Optional
 from hpc.watchdog import device
 
 __all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "Progress", "begin", "end", "install",
-           "is_job_failure", "poll", "uninstall", "wait", "waited"]
+           "is_job_failure", "poll", "start_stall_meter", "uninstall", "wait", "waited"]
 
 #: The ``torch.distributed`` functions counted as collectives.
 COLLECTIVES = (
@@ -268,7 +268,7 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
     # closure locals: the common path (nothing pending on a GPU) is _enter and
     # _complete inlined, with no global or attribute lookups it can avoid
     progress, items, lock, clock = backlog.progress, backlog.items, _LOCK, time.time
-    perf = time.perf_counter
+    perf, stalled = time.perf_counter, STALLED
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
@@ -292,7 +292,7 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
                 backlog.add(seq, name, started, clock())
         if _HANG:  # HPC_FAULT's hang: entered, and never leaves
             _hang_forever(name, seq)
-        t0 = perf()
+        t0, s0 = perf(), stalled[0]
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
@@ -314,7 +314,7 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
             _watch_future(backlog, seq, name, result, on_failure)
         else:
             with lock:
-                progress.waited += perf() - t0
+                progress.waited += perf() - t0 - (stalled[0] - s0)
                 if items:
                     backlog.finish(seq, True, clock())
                 elif seq > progress.completed:
@@ -388,13 +388,41 @@ def end(seq: Optional[int], name: str, error: Optional[BaseException] = None
 
 _WAITING = threading.local()
 
+#: Seconds this process did not run (SIGSTOP, a frozen VM), as :func:`start_stall_meter`'s
+#: thread sees them; a wait that holds a stall does not count it as waiting: the peers
+#: waited for this rank, not it for them.
+STALLED = [0.0]
+_METER: list[threading.Thread] = []
+
+
+def start_stall_meter(period: float = 0.005, late: float = 0.010) -> None:
+    """Start (once) a daemon thread that wakes every ``period`` seconds and adds to
+    :data:`STALLED` every wake-up later than ``late`` seconds: the process did not run."""
+    if _METER:
+        return
+
+    def meter() -> None:
+        clock = time.perf_counter
+        last = clock()
+        while True:
+            time.sleep(period)
+            now = clock()
+            behind = now - last - period
+            if behind > late:
+                STALLED[0] += behind
+            last = now
+
+    t = threading.Thread(target=meter, name="hpc-stall-meter", daemon=True)
+    _METER.append(t)
+    t.start()
+
 
 def wait(work: Any) -> Any:
     """``work.wait()``, its time counted in :attr:`Progress.waited` while installed
     (:mod:`hpc.sync` waits on its own Works through this)."""
     if not _ACTIVE or getattr(_WAITING, "depth", 0):  # an outer wait counts it
         return work.wait()
-    t0 = time.perf_counter()
+    t0, s0 = time.perf_counter(), STALLED[0]
     _WAITING.depth = 1
     try:
         return work.wait()
@@ -402,7 +430,7 @@ def wait(work: Any) -> Any:
         _WAITING.depth = 0
         progress = _ACTIVE[0][0].progress
         with _LOCK:
-            progress.waited += time.perf_counter() - t0
+            progress.waited += time.perf_counter() - t0 - (STALLED[0] - s0)
 
 
 def waited() -> Optional[float]:

@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hpc.errors import InjectedFault  # noqa: E402
 from hpc.health import divergence  # noqa: E402
 from hpc.health.fault import Fault, Injector, flip_bit  # noqa: E402
-from hpc.errors import InjectedFault  # noqa: E402
 
 
 def _model_and_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.health.straggler import Baselines, Rules, StepClock, judge, ranks_text, slow_roots
+from hpc.health.straggler import (
+    Baselines,
+    Rules,
+    StepClock,
+    judge,
+    probe_shifts,
+    ranks_text,
+    slow_links,
+)
 
 
 def _row(compute: float, wait: float, steps: int = 20) -> list[float]:
@@ -18,18 +26,18 @@ def _baselines(rows: list[list[float]], n: int = 3) -> Baselines:
     return b
 
 
-def test_a_rank_computing_longer_than_the_median_is_named_with_the_others_wait() -> None:
+def test_a_rank_computing_longer_than_the_others_is_named_with_the_others_wait() -> None:
     rows = [_row(0.010, 0.010), _row(0.010, 0.010), _row(0.018, 0.002), _row(0.011, 0.009)]
     (f,) = judge(rows, Baselines())
     assert (f.kind, f.ranks) == ("relative", (2,))
-    assert f.factor == pytest.approx(0.018 / 0.0105)
+    assert f.factor == pytest.approx(1.8) and f.reference_s == pytest.approx(0.010)
     assert f.others_waited == pytest.approx(0.5, abs=0.05)
 
 
 def test_just_under_the_threshold_is_not_a_verdict() -> None:
-    rows = [_row(0.010, 0.01), _row(0.010, 0.01), _row(0.0129, 0.007)]
+    rows = [_row(0.010, 0.01), _row(0.010, 0.01), _row(0.0149, 0.006)]
     assert judge(rows, Baselines()) == []
-    rows[2] = _row(0.0131, 0.007)
+    rows[2] = _row(0.0151, 0.006)
     assert [f.kind for f in judge(rows, Baselines())] == ["relative"]
 
 
@@ -39,13 +47,49 @@ def test_differences_below_the_floor_are_noise_whatever_the_ratio() -> None:
     assert judge(rows, Baselines(), Rules(floor_s=0.0005))[0].ranks == (2,)
 
 
-def test_two_ranks_have_no_median_to_beat_but_each_has_its_own_past() -> None:
-    healthy = [_row(0.010, 0.002), _row(0.010, 0.002)]
-    base = _baselines(healthy)
+def test_an_excess_too_small_to_cost_the_job_is_not_named() -> None:
+    """The wire slowed every step to 130 ms; a rank computing 20 ms against 12 ms is not
+    what the others wait for (6 % of the step)."""
+    rows = [_row(0.020, 0.110)] + [_row(0.012, 0.118)] * 7
+    assert judge(rows, Baselines()) == []
+    assert judge(rows, Baselines(), Rules(share=0.05))[0].ranks == (0,)
+
+
+def test_half_the_cost_in_two_windows_in_a_row_is_named() -> None:
+    rows = [_row(0.012, 0.068)] * 3 + [_row(0.024, 0.056)]  # 12 ms of an 80 ms step: 15 %
+    suspects: set[int] = set()
+    assert judge(rows, Baselines(), suspects=suspects) == [] and suspects == {3}
+    (f,) = judge(rows, Baselines(), suspects=suspects)
+    assert f.ranks == (3,) and suspects == {3}
+    healthy = [_row(0.012, 0.068)] * 4
+    assert judge(healthy, Baselines(), suspects=suspects) == [] and suspects == set()
+    assert judge(rows, Baselines(), suspects=suspects) == []  # a new episode: once again
+
+
+def test_a_whole_slow_node_is_measured_against_the_other_nodes() -> None:
+    rows = [_row(0.010, 0.012)] * 4 + [_row(0.022, 0.0)] * 2
+    hosts = ["node1", "node1", "node2", "node2", "node3", "node3"]
+    (f,) = judge(rows, Baselines(), hosts=hosts)
+    assert (f.ranks, f.factor) == ((4, 5), pytest.approx(2.2))
+    rows = [_row(0.010, 0.012)] * 2 + [_row(0.022, 0.0)] * 3  # more than half: the job
+    assert judge(rows, Baselines(), hosts=["a", "a", "b", "b", "b"]) == []
+
+
+def test_two_ranks_each_other_s_reference_and_their_own_past() -> None:
     slow = [_row(0.010, 0.012), _row(0.022, 0.0)]
-    assert judge(slow, Baselines()) == []  # no baseline yet, no relative rule at 2 ranks
-    (f,) = judge(slow, base)
-    assert (f.kind, f.ranks, round(f.factor, 1)) == ("individual", (1,), 2.2)
+    (f,) = judge(slow, Baselines())
+    assert (f.kind, f.ranks) == ("relative", (1,))
+    base = _baselines([_row(0.010, 0.002), _row(0.016, 0.0)])  # rank 1 always slower
+    later = [_row(0.010, 0.014), _row(0.026, 0.0)]  # 1.63x its own past, 2.6x rank 0
+    kinds = {f.kind: f.ranks for f in judge(later, base)}
+    assert kinds == {"relative": (1,)}
+
+
+def test_a_rank_slower_than_its_own_past_but_not_than_the_others() -> None:
+    base = _baselines([_row(0.006, 0.006)] + [_row(0.010, 0.002)] * 3)
+    rows = [_row(0.0125, 0.0)] + [_row(0.010, 0.0025)] * 3  # 2.1x itself, 1.25x the others
+    (f,) = judge(rows, base)
+    assert (f.kind, f.ranks, round(f.factor, 2)) == ("individual", (0,), 2.08)
 
 
 def test_the_whole_job_slowing_is_not_one_rank() -> None:
@@ -69,11 +113,20 @@ def test_a_rank_without_steps_in_the_window_is_left_out() -> None:
     assert f.ranks == (3,)
 
 
-def test_slow_roots_names_the_host_whose_broadcast_is_slow() -> None:
-    assert slow_roots([0.002, 0.002, 0.041, 0.0021]) == [2]
-    assert slow_roots([0.002, 0.0021, 0.0022, 0.002]) == []
-    assert slow_roots([0.002, 0.040]) == [1]
-    assert slow_roots([0.04, 0.04, 0.002, 0.002]) == []  # half the hosts: not "one host"
+def test_slow_links_tell_a_slow_sender_from_a_slow_receiver() -> None:
+    fast, slow = 0.002, 0.5
+    # host 2 sends slowly: 2 -> 3 (shift 1) and 2 -> 1 (shift -1) are slow
+    sending = [[fast, fast, slow, fast], [fast, fast, slow, fast]]
+    assert slow_links(sending, (1, -1)) == [(2, "sending", pytest.approx(250), fast)]
+    # host 2 receives slowly: 1 -> 2 (shift 1) and 3 -> 2 (shift -1) are slow
+    receiving = [[fast, slow, fast, fast], [fast, fast, fast, slow]]
+    assert slow_links(receiving, (1, -1)) == [(2, "receiving", pytest.approx(250), fast)]
+    assert slow_links([[fast] * 4, [fast] * 4], (1, -1)) == []
+    assert slow_links([[fast, slow, slow, fast], [fast] * 4], (1, -1)) == []  # no host in both
+    assert slow_links([[fast, slow]], probe_shifts(2)) == [(1, "sending", 250.0, fast)]
+    noisy = [[0.0009, 0.0027, 0.0009, 0.0009], [0.0009, 0.0009, 0.0027, 0.0009]]
+    assert slow_links(noisy, (1, -1)) == []  # 3x of a millisecond: a probe's noise
+    assert probe_shifts(2) == (1,) and probe_shifts(4) == (1, -1)
 
 
 def test_step_clock_splits_wall_into_compute_and_wait_and_trims_outliers() -> None:
