@@ -74,6 +74,43 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def _rebuilding_ddp(model: nn.Module) -> Optional[nn.Module]:
+    """The DDP wrapper in ``model``'s chain that will still rebuild its buckets, if any.
+
+    DDP (``find_unused_parameters=False``, or ``static_graph``) reduces its first
+    iteration in one bucket of every parameter in ``parameters()`` order and then
+    rebuilds the buckets in the order the gradients became ready. A resumed run's first
+    step is such a first iteration, where the uninterrupted run already used the
+    rebuilt layout; a ring all-reduce over 3 or more ranks sums each element in an
+    order set by its offset in the bucket, so that one step rounds differently.
+    ``bench/ddp_bucket_order.py`` measures it.
+    """
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            rebuilds = model.static_graph or not model.find_unused_parameters
+            done = getattr(model, "_has_rebuilt_buckets", False)
+            return model if rebuilds and not done else None
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+
+
+def _note_ddp_rebuild(model: nn.Module, size: int, path: str) -> None:
+    """Say once, from the master, why this DDP resume is not bitwise (3+ ranks)."""
+    if size < 3 or _rebuilding_ddp(model) is None:
+        return
+    logger.info(
+        "resumed into a DistributedDataParallel that rebuilds its gradient buckets after "
+        "its first iteration: the first step after %s reduces its gradients in DDP's "
+        "first-iteration layout (one bucket), where an uninterrupted run uses the "
+        "rebuilt one, and over %d ranks the sums round differently; the run continues "
+        "from the checkpoint but is not bitwise equal to an uninterrupted one.\n"
+        "HINT: construct it with DistributedDataParallel(..., "
+        "find_unused_parameters=True), which keeps one bucket layout from the start, "
+        "for a bitwise resume (docs/preemptible.md).", Path(path).name, size)
+
+
 def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None,
                     scheduler: Any = None, sampler: Any = None, epoch: int = 0,
@@ -339,6 +376,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
     if rank == 0:
         logger.info("resumed from %s: step %d done; next: batch %d of epoch %d (both counted "
                     "from 0)", path, int(payload["step"]), batch, epoch)
+        _note_ddp_rebuild(model, size, path)
     return Restored(path=path, step=int(payload["step"]), epoch=epoch, batch=batch,
                     world_size=saved_world, payload=payload,
                     rank_extra=rank_extra_for(payload, rank, same))

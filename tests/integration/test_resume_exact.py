@@ -58,3 +58,25 @@ def test_sync_gradients_with_batchnorm_resumes_bitwise_on_every_rank(tmp_path: P
     ref, resumed, _ = uninterrupted_and_resumed(tmp_path, "--sync", "grads")
     assert len({d for _, d, _ in ref.values()}) == NPROC, "ranks' buffers should differ"
     assert resumed == ref
+
+
+def test_ddp_resumes_bitwise_with_a_fixed_bucket_layout(tmp_path: Path) -> None:
+    """DDP(find_unused_parameters=True) never rebuilds its buckets: the first step after
+    the resume reduces in the layout the uninterrupted run used at that step."""
+    ref, resumed, _ = uninterrupted_and_resumed(tmp_path, "--sync", "ddp",
+                                                "--ddp", "find_unused")
+    assert resumed == ref
+
+
+def test_ddp_with_its_bucket_rebuild_is_not_bitwise_and_says_so(tmp_path: Path) -> None:
+    """Plain DDP on 4 ranks: its first iteration reduces every gradient in one bucket,
+    later ones in the rebuilt (ready-order) buckets, and a ring all-reduce over 3+
+    ranks rounds differently per layout. The resumed run's first step is a first
+    iteration: every rank's weights differ by rounding (docs/preemptible.md), and the
+    master says why at the resume."""
+    ref, resumed, text = uninterrupted_and_resumed(tmp_path, "--sync", "ddp")
+    assert all(resumed[r][0] == ref[r][0] == "32" for r in range(NPROC))
+    assert all(resumed[r][1] != ref[r][1] for r in range(NPROC)), (ref, resumed)
+    assert text.count("rebuilds its gradient buckets") == 1, text
+    assert "HINT: construct it with DistributedDataParallel(..., " \
+        "find_unused_parameters=True)" in text, text
