@@ -2,6 +2,8 @@
 
 * :mod:`hpc.checkpoint.resume` — :func:`save_checkpoint` / :func:`restore_checkpoint`
   (all ranks call, the global master writes; another world size is refused);
+* :mod:`hpc.checkpoint.ranks` — what each rank keeps of its own (RNG states, buffers that
+  differ across ranks, ``rank_extra``): gathered on the master, given back per rank;
 * :mod:`hpc.checkpoint.files` — the files: atomic write with a ``.sha256`` sidecar,
   keep-last-K, verified ``weights_only`` load with fallback, RNG states (no collectives);
 * :mod:`hpc.checkpoint.loadable` — what a checkpoint may hold: the ``weights_only``

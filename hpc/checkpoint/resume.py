@@ -8,16 +8,18 @@ master (the launching guide's rule)::
     restored = hpc.restore_checkpoint("ckpt", model=model, optimizer=opt,
                                       scheduler=sched, sampler=sampler)
 
-:func:`save_checkpoint` gathers every rank's RNG states (python, numpy, torch CPU,
-CUDA) on the master, which writes ``ckpt-<step>.pt`` atomically (temporary file, fsync,
+:func:`save_checkpoint` gathers what each rank keeps of its own on the master (RNG states
+always, buffers such as BatchNorm's running statistics when they differ across ranks, the
+script's ``rank_extra``; :mod:`hpc.checkpoint.ranks`), which writes ``ckpt-<step>.pt``
+atomically (temporary file, fsync,
 rename, a ``.sha256`` sidecar; :mod:`hpc.checkpoint.files`) and keeps the newest
 ``keep``. :func:`restore_checkpoint` lets the master choose the newest file that loads
 (a truncated or corrupt newer one is skipped with a warning and renamed
 ``ckpt-<step>.pt.unloadable``, out of keep-N's count), broadcasts its path, and
 every rank loads it with ``torch.load(weights_only=True)`` into the model, optimizer,
-scheduler and sampler and restores its own RNG states. A checkpoint written by another
-number of ranks is refused unless ``allow_world_change=True``: the sampler's partition
-and the per-rank RNG streams depend on it. The directory must be on a filesystem every
+scheduler and sampler and gets its own RNG states, buffers and ``rank_extra`` back. A
+checkpoint written by another number of ranks is refused unless
+``allow_world_change=True``: the sampler's partition and the per-rank states depend on it. The directory must be on a filesystem every
 node sees.
 
 ``hpc pretrain``, ``hpc search`` and ``hpc tune`` save and restore through the same
@@ -32,23 +34,21 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hpc.checkpoint.files import (
-    capture_rng,
     checkpoint_path,
     load_latest,
     prune,
     restore_rng,
     save_atomic,
 )
+from hpc.checkpoint.ranks import PER_RANK, gather_rank_states, model_state_for, rank_extra_for
 from hpc.errors import CheckpointError
 from hpc.sync.agree import all_true, broadcast_object, world
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
-           "check_world_size", "load_states", "gather_rng",
-           "FORMAT"]
+           "check_world_size", "load_states", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +56,10 @@ logger = logging.getLogger(__name__)
 FORMAT = 1
 #: Keys of a checkpoint that ``extra`` may not replace.
 RESERVED = ("format", "step", "epoch", "batch", "world_size", "model", "optimizer",
-            "scheduler", "sampler", "rng")
+            "scheduler", "sampler", *PER_RANK)
 PathLike = Union[str, Path]
 #: ``choose() -> (path, error, payload)``, called on the global master only.
 Chooser = Callable[[], "tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]"]
-
-
-def gather_rng() -> Optional[list[Any]]:
-    """Every rank's RNG states (:func:`capture_rng`) on rank 0, ``None`` elsewhere."""
-    rank, size = world()
-    if size == 1:
-        return [capture_rng()]
-    states: Optional[list[Any]] = [None] * size if rank == 0 else None
-    dist.gather_object(capture_rng(), states, dst=0)
-    return states
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -84,21 +74,62 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def _rebuilding_ddp(model: nn.Module) -> Optional[nn.Module]:
+    """The DDP wrapper in ``model``'s chain that will still rebuild its buckets, if any.
+
+    DDP (``find_unused_parameters=False``, or ``static_graph``) reduces its first
+    iteration in one bucket of every parameter in ``parameters()`` order and then
+    rebuilds the buckets in the order the gradients became ready. A resumed run's first
+    step is such a first iteration, where the uninterrupted run already used the
+    rebuilt layout; a ring all-reduce over 3 or more ranks sums each element in an
+    order set by its offset in the bucket, so that one step rounds differently.
+    ``bench/ddp_bucket_order.py`` measures it.
+    """
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            rebuilds = model.static_graph or not model.find_unused_parameters
+            done = getattr(model, "_has_rebuilt_buckets", False)
+            return model if rebuilds and not done else None
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+
+
+def _note_ddp_rebuild(model: nn.Module, size: int, path: str) -> None:
+    """Say once, from the master, why this DDP resume is not bitwise (3+ ranks)."""
+    if size < 3 or _rebuilding_ddp(model) is None:
+        return
+    logger.info(
+        "resumed into a DistributedDataParallel that rebuilds its gradient buckets after "
+        "its first iteration: the first step after %s reduces its gradients in DDP's "
+        "first-iteration layout (one bucket), where an uninterrupted run uses the "
+        "rebuilt one, and over %d ranks the sums round differently; the run continues "
+        "from the checkpoint but is not bitwise equal to an uninterrupted one.\n"
+        "HINT: construct it with DistributedDataParallel(..., "
+        "find_unused_parameters=True), which keeps one bucket layout from the start, "
+        "for a bitwise resume (docs/preemptible.md).", Path(path).name, size)
+
+
 def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None,
                     scheduler: Any = None, sampler: Any = None, epoch: int = 0,
                     batch: int = 0, keep: int = 3,
-                    extra: Optional[dict[str, Any]] = None) -> Path:
+                    extra: Optional[dict[str, Any]] = None,
+                    rank_extra: Optional[dict[str, Any]] = None) -> Path:
     """Checkpoint the state after ``step`` (collective: call it on every rank).
 
     The global master writes ``directory/ckpt-<step>.pt`` atomically with its checksum
-    and deletes all but the newest ``keep``; the others only send their RNG states.
-    Returns after the file is in place, on every rank.
+    and deletes all but the newest ``keep``; the others only send what is their own
+    (:mod:`hpc.checkpoint.ranks`): RNG states, and their buffers when these differ
+    across ranks (BatchNorm under ``hpc.sync_gradients``). Returns after the file is in
+    place, on every rank.
 
     Args:
         directory: Checkpoint directory (created; on a filesystem every node sees).
         step: Global steps done; names the file.
-        model: Its ``state_dict`` (a DDP wrapper is unwrapped).
+        model: Its ``state_dict`` (a DDP wrapper is unwrapped): the master's weights,
+            and each rank's own buffers when they differ across ranks.
         optimizer: Saved when given.
         scheduler: Saved when given (anything with ``state_dict``).
         sampler: Saved when given: its epoch, position and layout (a
@@ -112,7 +143,10 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
             ``torch.dtype``/``device``/``Size`` and classes registered with
             ``torch.serialization.add_safe_globals``. Not numpy scalars or arrays,
             ``Path``, ``argparse.Namespace`` or other classes: store ``float(x)``,
-            ``str(path)``, ``vars(ns)``.
+            ``str(path)``, ``vars(ns)``. The master's only: every rank gets its values
+            back.
+        rank_extra: This rank's own values (the same rules as ``extra``), e.g. its
+            loss history: each rank gets its own back as ``Restored.rank_extra``.
 
     Raises:
         CheckpointError: on every rank, when the master could not write the file, or
@@ -127,13 +161,13 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                          if clash else f"save_checkpoint: keep={keep} is negative.\n"
                          "HINT: keep=0 keeps every checkpoint.")
     rank, size = world()
-    states = gather_rng()
+    states = gather_rank_states(_unwrap(model), rank_extra)
     path = checkpoint_path(directory, step)
     error = None
     if rank == 0:
         payload = {**(extra or {}), "format": FORMAT, "step": int(step),
                    "epoch": int(epoch), "batch": int(batch), "world_size": size,
-                   "model": _unwrap(model).state_dict(), "rng": states}
+                   "model": _unwrap(model).state_dict(), **(states or {})}
         if optimizer is not None:
             payload["optimizer"] = optimizer.state_dict()
         if scheduler is not None:
@@ -196,7 +230,10 @@ class Restored:
         epoch: The epoch of the next step.
         batch: Batches of ``epoch`` already done (the sampler skips them).
         world_size: Ranks that wrote it.
-        payload: The whole file, ``extra`` values included.
+        payload: The whole file, ``extra`` values included (the master's).
+        rank_extra: This rank's own ``rank_extra`` as it saved it; ``{}`` when none was
+            saved or the world size changed (then ``payload["rank_extra"]`` holds the
+            saved ranks', by rank).
     """
 
     path: str
@@ -205,6 +242,7 @@ class Restored:
     batch: int
     world_size: int
     payload: dict[str, Any]
+    rank_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[str, Any]]]:
@@ -264,17 +302,22 @@ def check_world_size(payload: dict[str, Any], path: str, world: int, allowed: bo
 
 def load_states(payload: dict[str, Any], *, model: nn.Module,
                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None,
-                rng: bool = True) -> None:
-    """Put a checkpoint's states into the given objects (this rank's RNG when ``rng``)."""
-    _unwrap(model).load_state_dict(payload["model"])
+                per_rank: bool = True, path: str = "") -> None:
+    """Put a checkpoint's states into the given objects.
+
+    ``per_rank`` (the same world size): this rank's own RNG states and buffers; else
+    the master's buffers and the RNG left as it is (:mod:`hpc.checkpoint.ranks`).
+    """
+    rank = world()[0]
+    _unwrap(model).load_state_dict(model_state_for(payload, rank, per_rank, path))
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
         if obj is not None:
             if name not in payload:
                 raise CheckpointError(f"the checkpoint holds no {name} state.\nHINT: "
                                       f"pass {name}= to save_checkpoint too, or not here.")
             obj.load_state_dict(payload[name])
-    if rng:
-        restore_rng(payload["rng"][world()[0]])
+    if per_rank:
+        restore_rng(payload["rng"][rank])
 
 
 def restore_checkpoint(directory: PathLike, *, model: nn.Module,
@@ -316,7 +359,8 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
     rank, size = world()
     same = check_world_size(payload, path, size, allow_world_change,
                             "pass allow_world_change=True")
-    load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler, rng=same)
+    load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler,
+                per_rank=same, path=path)
     epoch, batch = int(payload["epoch"]), int(payload["batch"])
     saved_world = int(payload["world_size"])
     if not same:
@@ -332,5 +376,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
     if rank == 0:
         logger.info("resumed from %s: step %d done; next: batch %d of epoch %d (both counted "
                     "from 0)", path, int(payload["step"]), batch, epoch)
+        _note_ddp_rebuild(model, size, path)
     return Restored(path=path, step=int(payload["step"]), epoch=epoch, batch=batch,
-                    world_size=saved_world, payload=payload)
+                    world_size=saved_world, payload=payload,
+                    rank_extra=rank_extra_for(payload, rank, same))

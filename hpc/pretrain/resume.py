@@ -127,7 +127,8 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
         return Position()
     _warn_config_changes(payload.get("config", {}), cfg)
     same = check_world_size(payload, path, world, cfg.elastic, "pass --elastic")
-    load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler, rng=same)
+    load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler,
+                per_rank=same, path=path)
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
     if not same:
         batch = _continue_elastic(cfg, path, payload, optimizer, scheduler, rank, world,
