@@ -48,6 +48,10 @@ __all__ = ["StepHealth", "probe_links", "PROBE_BYTES"]
 
 logger = logging.getLogger(__name__)
 
+#: Windows in a row without a verdict after which it is cleared (one window of weaker
+#: evidence between two verdicts is the same episode).
+CLEAR_AFTER = 2
+
 #: Bytes each host's first rank sends to two others when the link probe runs.
 PROBE_BYTES = 64 << 10
 
@@ -84,7 +88,7 @@ class StepHealth:
         self.baselines = Baselines()
         self.window_start: Optional[int] = None
         self._window = -1
-        self._active: dict[tuple[str, tuple[int, ...]], Finding] = {}
+        self._active: dict[tuple[int, ...], int] = {}  # named ranks -> windows without
         self.findings: list[dict[str, Any]] = []
         self.hosts: Optional[list[str]] = None
         self._probed: Optional[list[Finding]] = None
@@ -180,21 +184,27 @@ class StepHealth:
         return out
 
     def _report(self, verdicts: list[Finding], start: int, end: int) -> None:
-        now = {(f.kind, f.ranks): f for f in verdicts}
-        for key, f in now.items():
-            if key not in self._active:
-                record = {"steps": [start, end], "hosts": self._hosts_of(f.ranks),
-                          "time": time.time(), **f.as_dict()}
-                self.findings.append(record)
+        """Log and record each new verdict once (per set of ranks, whichever rule named
+        them); a verdict is cleared after :data:`CLEAR_AFTER` windows without it."""
+        changed = False
+        for f in verdicts:
+            if f.ranks not in self._active:
+                changed = True
+                self.findings.append({"steps": [start, end], "hosts": self._hosts_of(f.ranks),
+                                      "time": time.time(), **f.as_dict()})
                 if self.rank == 0:
                     logger.warning("%s", self.describe(f, start, end))
-        for key, f in self._active.items():
-            if key not in now and self.rank == 0:
-                logger.info("straggler cleared: %s (%s) by step %d",
-                            ", ".join(self._hosts_of(f.ranks)), ranks_text(f.ranks), end)
-        if now.keys() != self._active.keys():
+            self._active[f.ranks] = 0
+        named = {f.ranks for f in verdicts}
+        for ranks in [r for r in self._active if r not in named]:
+            self._active[ranks] += 1
+            if self._active[ranks] >= CLEAR_AFTER:
+                del self._active[ranks]
+                if self.rank == 0:
+                    logger.info("straggler cleared: %s (%s) by step %d",
+                                ", ".join(self._hosts_of(ranks)), ranks_text(ranks), end)
+        if changed:
             self._write()
-        self._active = now
 
     def _hosts_of(self, ranks: tuple[int, ...]) -> list[str]:
         hosts = self.hosts or []

@@ -60,7 +60,7 @@ class Rules:
     #: A rank's compute above the reference must be at least this share of the median
     #: step: a rank that costs the job less than that is not named.
     share: float = 0.2
-    trim: float = 0.2
+    trim: float = 0.1
     floor_s: float = 0.001
     baseline: int = 3
     #: Fraction of the median step spent waiting above which a slow job is the wire's.

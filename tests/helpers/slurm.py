@@ -44,6 +44,26 @@ def require_slurm() -> None:
         pytest.skip(msg)
 
 
+#: The nodes of the test cluster's 4-node partition ``four``.
+FOUR = ("node1", "node2", "node3", "node4")
+
+
+def require_four() -> None:
+    """Skip (fail in CI) unless partition ``four`` has node1-node4 up."""
+    require("srun", "Slurm client (bin/hpc-testcluster up installs it)")
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "four", "-o", "%N %T"], check=False,
+                         capture_output=True, text=True, timeout=20).stdout
+    up = {line.split()[0] for line in out.splitlines()
+          if line.split()[-1:] and line.split()[-1] in ("idle", "mixed", "allocated",
+                                                         "completing")}
+    if not set(FOUR) <= up:
+        msg = (f"no 4-node partition 'four' with node1-node4 up (sinfo: "
+               f"{out.strip() or 'nothing'}); run bin/hpc-testcluster up (this version)")
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
 def slurm_env(**extra: str) -> dict[str, str]:
     """Environment for sbatch/srun from tests: this venv first on PATH, root-safe MPI."""
     env = clean_env(**extra)

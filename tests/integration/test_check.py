@@ -27,11 +27,11 @@ import pytest
 from tests.helpers.mpi import launcher
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import hpc_run, run_group
-from tests.helpers.requires import in_ci, require
-from tests.helpers.slurm import run, slurm_env
+from tests.helpers.requires import require
+from tests.helpers.slurm import FOUR as NODES
+from tests.helpers.slurm import require_four, run, slurm_env
 
 CHECK = ["python", "-m", "hpc", "check"]
-NODES = ("node1", "node2", "node3", "node4")
 
 
 def verdict(out: str) -> str:
@@ -67,20 +67,6 @@ def test_mpirun_three_ranks(tmp_path: Path) -> None:
 
 # -- the 4-node cluster -------------------------------------------------------------------
 
-def _require_four() -> None:
-    require("srun", "Slurm client (bin/hpc-testcluster up installs it)")
-    out = subprocess.run(["sinfo", "-h", "-N", "-p", "four", "-o", "%N %T"], check=False,
-                         capture_output=True, text=True, timeout=20).stdout
-    state = re.compile(r" (idle|mixed|allocated|completing)$")
-    up = {line.split()[0] for line in out.splitlines() if state.search(line)}
-    if not set(NODES) <= up:
-        msg = (f"no 4-node partition 'four' with node1-node4 up (sinfo: "
-               f"{out.strip() or 'nothing'}); run bin/hpc-testcluster up (this version)")
-        if in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
 def _srun_check(job: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     return run(["srun", "-p", "four", "-N4", "--ntasks-per-node=1", sys.executable, "-m", "hpc",
                 "check", "--out", str(tmp)], job, tmp, slurm_env(), timeout=100)
@@ -89,7 +75,7 @@ def _srun_check(job: str, tmp: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture
 def job() -> Iterator[str]:
     """A unique job name on the 4-node partition; its jobs are cancelled afterwards."""
-    _require_four()
+    require_four()
     name = f"hpct-check-{uuid.uuid4().hex[:8]}"
     yield name
     subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
