@@ -274,6 +274,13 @@ VARIABLES: dict[str, Variable] = _table(
              "rank:step:kind[,...]; kind: kill, hang, exit, exc, slow:<factor>, bitflip",
              None, "none", "inject a fault into rank at step (prove the job recovers, or "
              "that a straggler or a corrupt rank is named)"),
+    Variable("HPC_STATE_DIR", _text, "a directory every node of the cluster sees", None,
+             "~/.local/state/torch-hpc", "where torch-hpc keeps state across jobs: the "
+             "bad-node ledger (bad-nodes/, one file per strike; hpc nodes lists it)"),
+    Variable("HPC_LEDGER_TTL", _seconds(False), "a number of seconds >= 0, e.g. 86400",
+             86400.0, "86400 (24 h)", "seconds a strike against a node counts (hpc check's "
+             "FLAGGED verdict, a persisting straggler, a corrupt replica); hosts with 2 "
+             "live strikes are excluded by hpc submit (0: no ledger)"),
     Variable("HPC_STEP_HOOK", _reference, "module:function, e.g. mypkg.hooks:on_step", None,
              "none", "a function called (no arguments) at every poll of the preemption "
              "guard, i.e. once per step: fault injection", error=PreemptError),

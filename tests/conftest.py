@@ -47,11 +47,24 @@ def _knob(name: str) -> bool:
     return name.startswith("HPC_") and name not in KEPT_KNOBS
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Generator[None, None, None]:
+    """``HPC_STATE_DIR`` for module fixtures too: no test reads or writes the user's
+    bad-node ledger (a strike there would exclude a test node from every submission)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HPC_STATE_DIR", str(tmp_path_factory.mktemp("hpc-state")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
-def clean_launcher_env(monkeypatch: pytest.MonkeyPatch):
-    """Clear launcher variables and HPC_* knobs; fail the test if it leaks launcher ones."""
+def clean_launcher_env(monkeypatch: pytest.MonkeyPatch,
+                       tmp_path_factory: pytest.TempPathFactory):
+    """Clear launcher variables and HPC_* knobs; fail the test if it leaks launcher ones.
+    Each test gets an empty ``HPC_STATE_DIR`` (an empty bad-node ledger)."""
     for key in [k for k in os.environ if LAUNCHER_VARS.match(k) or _knob(k)]:
         monkeypatch.delenv(key)
+    monkeypatch.setenv("HPC_STATE_DIR", str(tmp_path_factory.mktemp("state")))
     yield
     leaked = sorted(k for k in os.environ if LAUNCHER_VARS.match(k))
     if leaked:

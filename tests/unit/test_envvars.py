@@ -33,10 +33,11 @@ TYPOS = {
     "HPC_SDC": "raise",
     "HPC_SDC_EVERY": "1e2",
     "HPC_FAULT": "3:kill",
+    "HPC_LEDGER_TTL": "24h",
 }
 #: Variables whose value is any text (a path, an id): nothing to get wrong in the form.
 FREE_TEXT = {"HPC_LOG_DIR", "HPC_ERROR_DIR", "HPC_RUN_ID", "HPC_PYTHON", "HPC_STOP_FILE",
-             "HPC_REQUEUE_MARKER"}
+             "HPC_REQUEUE_MARKER", "HPC_STATE_DIR"}
 #: The documented forms, and what they read as.
 ACCEPTED = [
     ("HPC_LAUNCHER", "slurm", "slurm"), ("HPC_LAUNCHER", "mpi4py", "mpi4py"),
@@ -53,6 +54,7 @@ ACCEPTED = [
     ("HPC_STRAGGLER", "off", False), ("HPC_STRAGGLER_EVERY", "5", 5),
     ("HPC_SDC", "warn", "warn"), ("HPC_SDC_EVERY", "0", 0),
     ("HPC_FAULT", "3:50:kill", ((3, 50, "kill", None),)),
+    ("HPC_LEDGER_TTL", "3600", 3600.0), ("HPC_LEDGER_TTL", "0", 0.0),
     ("HPC_FAULT", "1:20:slow:1.5, 0:7:bitflip",
      ((1, 20, "slow", 1.5), (0, 7, "bitflip", None))),
 ]
