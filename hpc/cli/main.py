@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 SUBCOMMANDS = {"run": "hpc.cli.run", "env": "hpc.cli.env", "demo": "hpc.cli.demo",
                "pretrain": "hpc.pretrain.cli", "search": "hpc.search.search_cli",
                "tune": "hpc.search.tune_cli", "submit": "hpc.submit.cli",
-               "first-failure": "hpc.cli.failures", "check": "hpc.check.cli"}
+               "first-failure": "hpc.cli.failures", "check": "hpc.check.cli",
+               "nodes": "hpc.cli.nodes"}
 
 
 def _unavailable(name: str, error: Exception) -> int:

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import shlex
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +44,13 @@ from hpc.submit.options import (
 )
 
 if TYPE_CHECKING:
+    from hpc.ledger import Strike
     from hpc.submit.handle import SubmittedJob
 
-__all__ = ["for_task", "make_executor", "submit", "submit_array"]
+__all__ = ["bad_nodes", "exclusion_lines", "for_task", "make_executor", "submit",
+           "submit_array"]
+
+logger = logging.getLogger(__name__)
 
 
 #: submitit parameters of the ``AutoExecutor`` constructor; the others go to
@@ -64,8 +70,54 @@ def _shell_marks_dir(log_dir: str | Path) -> str:
     return f"{shlex.quote(str(root))}/{run.as_posix()}"
 
 
-def make_executor(options: SubmitOptions) -> Any:
-    """A submitit ``AutoExecutor`` (cluster ``slurm``) configured from ``options``."""
+def _slurm_nodes() -> set[str] | None:
+    """Every node this cluster knows (``sinfo -N``), None when sinfo cannot say."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True,
+                              text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    nodes = {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+    return nodes if proc.returncode == 0 and nodes else None
+
+
+def bad_nodes() -> dict[str, list[Strike]]:
+    """The hosts of the bad-node ledger (:mod:`hpc.ledger`) the next job leaves out:
+    those with two live strikes that this cluster has (sbatch refuses to exclude a node
+    it does not know, and the ledger may hold another cluster's)."""
+    from hpc.ledger import Ledger
+
+    found = Ledger().excluded()
+    known = _slurm_nodes() if found else None
+    return {h: ss for h, ss in found.items() if known is None or h in known}
+
+
+def exclusion_lines(bad: Mapping[str, list[Strike]]) -> list[str]:
+    """One ``excluding node3 (2 strikes in 24 h ...)`` line per host of ``bad``."""
+    from hpc.ledger import Ledger, describe_exclusion
+
+    ttl = Ledger().ttl
+    return [describe_exclusion(host, strikes, ttl) for host, strikes in bad.items()]
+
+
+def _excluded(sbatch: dict[str, Any], bad: Mapping[str, Any]) -> dict[str, Any]:
+    """``sbatch`` with the hosts of ``bad`` added to its ``exclude`` (the user's first)."""
+    if not bad:
+        return sbatch
+    user = sbatch.get("exclude")
+    mine = [h for h in user.split(",") if h] if isinstance(user, str) else []
+    return {**sbatch, "exclude": ",".join(dict.fromkeys([*mine, *bad]))}
+
+
+def make_executor(options: SubmitOptions,
+                  bad: Mapping[str, list[Strike]] | None = None) -> Any:
+    """A submitit ``AutoExecutor`` (cluster ``slurm``) configured from ``options``.
+
+    Args:
+        options: The job's layout.
+        bad: Hosts to exclude besides a ``--sbatch exclude=...`` (default:
+            :func:`bad_nodes`, the ledger's).
+    """
     options.validate()
     try:
         import submitit
@@ -88,8 +140,9 @@ def make_executor(options: SubmitOptions) -> Any:
     ex.update_parameters(
         **params,
         # submitit writes --signal=<its SUBMITIT_PREEMPT_SIGNAL>@delay; ours wins.
-        slurm_additional_parameters={"signal": f"{sig}@{options.signal_delay_s}",
-                                     "requeue": True, **parse_sbatch(options.sbatch)},
+        slurm_additional_parameters=_excluded(
+            {"signal": f"{sig}@{options.signal_delay_s}", "requeue": True,
+             **parse_sbatch(options.sbatch)}, bad_nodes() if bad is None else bad),
         # failure marks per run, so --wait names the rank that failed first by time
         slurm_setup=[f'export HPC_ERROR_DIR={_shell_marks_dir(options.log_dir)}',
                      *(f"export {k}={shlex.quote(v)}" for k, v in env.items())],
@@ -147,15 +200,32 @@ def submit(target: Any, args: Sequence[str] = (), *,
         raise SubmitError(f"submit() submits one job, but array={opts.array}.\n"
                           "HINT: call hpc.submit.executor.submit_array() for a job array.")
     fn, run_dir = _callable(target, args)
-    executor = make_executor(opts)
+    bad = bad_nodes()
+    executor = make_executor(opts, bad)
     try:
         job = executor.submit(fn)
     except Exception as e:  # submitit raises bare errors carrying sbatch's stderr
-        raise SubmitError(f"sbatch refused the job: {e}.\nHINT: check the partition, "
-                          "time limit and --sbatch options against `sinfo`.") from e
+        raise SubmitError(f"sbatch refused the job: {e}.{_refused_because(bad)}\nHINT: "
+                          "check the partition, time limit and --sbatch options against "
+                          "`sinfo`.") from e
     from hpc.submit.handle import SubmittedJob
 
-    return SubmittedJob(job, opts, run_dir=run_dir)
+    return SubmittedJob(job, opts, run_dir=run_dir, excluded=_announce(bad))
+
+
+def _announce(bad: Mapping[str, list[Strike]]) -> list[str]:
+    lines = exclusion_lines(bad)
+    for line in lines:
+        logger.info("%s", line)
+    return lines
+
+
+def _refused_because(bad: Mapping[str, list[Strike]]) -> str:
+    if not bad:
+        return ""
+    return (f"\nThe bad-node ledger excluded {', '.join(bad)}: too few nodes may be left "
+            "in the partition; `hpc nodes` lists the strikes, `hpc nodes --clear HOST` "
+            "allows a host again.")
 
 
 def for_task(target: Any, args: Sequence[str], task: int) -> tuple[Any, list[str]]:
@@ -211,13 +281,17 @@ def submit_array(target: Any, args: Sequence[str] = (), *,
             f"{opts.array - 1}).")
     tasks = [for_task(target, args, i) for i in range(opts.array)]
     calls = [_callable(t, a) for t, a in tasks]
-    executor = make_executor(opts)
+    bad = bad_nodes()
+    executor = make_executor(opts, bad)
     try:
         with executor.batch():
             jobs = [executor.submit(fn) for fn, _ in calls]
     except Exception as e:  # submitit raises bare errors carrying sbatch's stderr
-        raise SubmitError(f"sbatch refused the job array: {e}.\nHINT: check the "
-                          "partition, time limit and --sbatch options against `sinfo`.") from e
+        raise SubmitError(f"sbatch refused the job array: {e}.{_refused_because(bad)}\n"
+                          "HINT: check the partition, time limit and --sbatch options "
+                          "against `sinfo`.") from e
     from hpc.submit.handle import SubmittedJob
 
-    return [SubmittedJob(job, opts, run_dir=run_dir) for job, (_, run_dir) in zip(jobs, calls)]
+    excluded = _announce(bad)
+    return [SubmittedJob(job, opts, run_dir=run_dir, excluded=excluded)
+            for job, (_, run_dir) in zip(jobs, calls)]

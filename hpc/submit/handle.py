@@ -27,10 +27,13 @@ class SubmittedJob:
         job: The submitit job (``job.task(r)`` is rank ``r``).
         options: The :class:`~hpc.submit.SubmitOptions` it was submitted with.
         run_dir: The pretrain run directory (checkpoints, ``metrics.csv``), if any.
+        excluded: The bad-node ledger's ``excluding HOST (...)`` lines (:mod:`hpc.ledger`).
     """
 
-    def __init__(self, job: Any, options: Any, run_dir: str | None = None) -> None:
+    def __init__(self, job: Any, options: Any, run_dir: str | None = None,
+                 excluded: list[str] | None = None) -> None:
         self.job, self.options, self.run_dir = job, options, run_dir
+        self.excluded = list(excluded or [])
 
     @property
     def job_id(self) -> str:
@@ -56,6 +59,7 @@ class SubmittedJob:
             (f"submitted job {jid}: {o.nodes} node(s) x {o.ntasks_per_node} task(s) ({gpus}"
              f"{o.cpus_per_task} CPU/task), time limit {o.time_min} min, {o.signal} "
              f"{o.signal_delay_s} s before it, up to {o.max_requeues} requeue(s)"),
+            *(f"  {line}" for line in self.excluded),
             f"  logs:   {err} (rank 0: log lines, srun errors)",
             (f"          {out} (rank 0 stdout); rank r: {jid}_<r>_log.out/.err in "
              f"{out.parent}"),

@@ -79,3 +79,53 @@ def test_a_negative_array_is_refused_as_invalid_not_sent_to_the_other_entry(
         submit(PretrainConfig(out="runs/x"), array=-1)
     assert main(["--array", "-1", "--", "-m", "json.tool"]) == 2
     assert "array=-1 (must be >= 0)" in capsys.readouterr().err
+
+
+def _strike_twice(host: str, at: float | None = None) -> None:
+    """Two strikes against ``host``, 5 s apart, the second at ``at`` (default now)."""
+    import time
+
+    from hpc.ledger import Ledger
+
+    t = time.time() if at is None else at
+    Ledger(clock=lambda: t - 5).add(host, f"slow node {host}: busbw 1 MB/s", "check")
+    Ledger(clock=lambda: t).add(host, f"straggler: {host} (rank 2) 3.0x the median",
+                                "straggler")
+
+
+def _script(options: SubmitOptions, **kw: object) -> str:
+    pytest.importorskip("submitit")
+    if shutil.which("srun") is None:
+        pytest.skip("no srun: submitit refuses to build a Slurm executor")
+    return make_executor(options, **kw)._executor._make_submission_file_text("CMD", "uid")
+
+
+def test_a_host_with_two_live_strikes_is_excluded_beside_the_users_own(tmp_path: Path) -> None:
+    """The ledger's hosts join --sbatch exclude=...; bad= overrides the ledger."""
+    from hpc.ledger import Ledger
+
+    _strike_twice("node7")
+    Ledger().add("node8", "one strike only", "check")
+    text = _script(SubmitOptions(log_dir=str(tmp_path), sbatch={"exclude": "node1"}),
+                   bad={"node7": []})
+    assert "#SBATCH --exclude=node1,node7" in text, text
+    assert "--exclude" not in _script(SubmitOptions(log_dir=str(tmp_path)), bad={})
+
+
+def test_the_ledger_excludes_only_hosts_this_cluster_has(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    from hpc.submit import executor
+
+    _strike_twice("node7")
+    _strike_twice("elsewhere9")
+    _strike_twice("node8", at=1e9)  # 2001: long expired
+    monkeypatch.setattr(executor, "_slurm_nodes", lambda: {"node7", "node8"})
+    bad = executor.bad_nodes()
+    assert list(bad) == ["node7"]
+    assert executor.exclusion_lines(bad) == [
+        "excluding node7 (2 strikes in 24 h from check, straggler, last: straggler: node7 "
+        "(rank 2) 3.0x the median; hpc nodes --clear node7 to allow it)"]
+    text = _script(SubmitOptions(log_dir=str(tmp_path)))
+    assert "#SBATCH --exclude=node7\n" in text, text
+    monkeypatch.setenv("HPC_LEDGER_TTL", "0")
+    assert executor.bad_nodes() == {}
