@@ -76,7 +76,18 @@ def _report(res: Any, out: Path) -> bool:
     report.write_json(res, out / "hpc-check.json")
     print(report.write_png(res, out / "hpc-check.png"))
     print(line, flush=True)
+    _strike(res)
     return bool(res.findings)
+
+
+def _strike(res: Any) -> None:
+    """One strike in the bad-node ledger per host the verdict flags (not for a link)."""
+    from hpc import ledger
+    from hpc.check.verdict import strikes
+
+    host_of = {label: str(res.rows[m[0]]["host"]) for label, m in zip(res.labels, res.members)}
+    for host, reason in strikes(res.findings, host_of).items():
+        ledger.strike([host], reason, "check")
 
 
 def _run(args: argparse.Namespace) -> int:

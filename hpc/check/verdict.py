@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 __all__ = ["Figure", "Finding", "PairJudgement", "Thresholds", "algbw", "best_of", "busbw",
            "judge_compute", "judge_gpus", "judge_network", "judge_pairs", "judge_ranks",
-           "remeasure", "round_robin", "verdict_line"]
+           "remeasure", "round_robin", "strikes", "verdict_line", "STRIKING"]
 
 Pair = tuple[int, int]
 
@@ -135,6 +135,26 @@ def judge_pairs(n: int, values: Mapping[Pair, float], threshold: float,
                 units.append(u)
     links = tuple(p for p in slow if p[0] not in units and p[1] not in units)
     return PairJudgement(ref, slow, tuple(units), links)
+
+
+#: The findings that name a bad host, each a strike in the bad-node ledger
+#: (:mod:`hpc.ledger`). A slow link names two hosts, either of which may be fine: no strike.
+STRIKING = ("node", "compute", "gpu")
+
+
+def strikes(findings: Sequence[Finding],
+            host_of: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Host -> reason (its findings' sentences): one strike per host that a
+    :data:`STRIKING` finding names; ``host_of`` maps a unit label (``rank 2 (a)``) to its
+    host, labels that are hosts map to themselves."""
+    out: dict[str, str] = {}
+    for f in findings:
+        if f.kind not in STRIKING:
+            continue
+        for name in f.names:
+            host = (host_of or {}).get(name, name)
+            out[host] = f"{out[host]}; {f.text}" if host in out else f.text
+    return out
 
 
 def verdict_line(findings: Sequence[Finding], summary: str) -> str:

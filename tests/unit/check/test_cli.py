@@ -75,6 +75,20 @@ def test_report_healthy_and_flagged(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert data["pairs"][0]["busbw"] == pytest.approx((4 << 20) / 0.008)
 
 
+def test_a_flagged_node_gets_one_strike_in_the_ledger_a_healthy_run_none(
+        tmp_path: Path) -> None:
+    from hpc.ledger import Ledger
+
+    cli._report(results(), tmp_path)
+    assert Ledger().strikes() == []
+    cli._report(results(slow=2), tmp_path)
+    (strike,) = Ledger().strikes()
+    assert (strike.host, strike.source) == ("node3", "check")
+    assert strike.reason.startswith("slow node node3: busbw of all its 3 pairs")
+    cli._report(results(slow=2), tmp_path)
+    assert list(Ledger().excluded()) == ["node3"]  # two runs, two strikes
+
+
 def test_png_is_written_or_skipped_with_a_note(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")

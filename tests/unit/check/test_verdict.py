@@ -253,3 +253,17 @@ def test_min_busbw_edge(floor: float, flagged: bool) -> None:
 def test_compute_threshold_edge(gemm: float, flagged: bool) -> None:
     found = judge_compute(rows(4, r1={"gemm": gemm}), Thresholds(compute=0.5))
     assert bool(found) is flagged
+
+
+def test_strikes_name_the_hosts_of_node_compute_and_gpu_findings_never_a_link() -> None:
+    from hpc.check.verdict import Finding, strikes
+
+    found = [Finding("link", ("node1", "node2"), "slow link node1-node2"),
+             Finding("node", ("node3",), "slow node node3"),
+             Finding("compute", ("node3",), "slow compute on node3"),
+             Finding("gpu", ("node4",), "node4 sees 1 GPU(s), another node 2"),
+             Finding("node", ("rank 2 (a)",), "slow node rank 2 (a)")]
+    assert strikes(found, {"rank 2 (a)": "a"}) == {
+        "node3": "slow node node3; slow compute on node3",
+        "node4": "node4 sees 1 GPU(s), another node 2", "a": "slow node rank 2 (a)"}
+    assert strikes(found[:1]) == {}
