@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from hpc import ledger
 from hpc.health.fault import Injector
 from hpc.health.straggler import (
     Baselines,
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: Windows in a row without a verdict after which it is cleared (one window of weaker
 #: evidence between two verdicts is the same episode).
 CLEAR_AFTER = 2
+
+#: Windows one episode of a verdict must name the same ranks before their hosts get a
+#: strike in the bad-node ledger (:mod:`hpc.ledger`; once per episode, by the master).
+STRIKE_AFTER = 3
 
 #: Bytes each host's first rank sends to two others when the link probe runs.
 PROBE_BYTES = 64 << 10
@@ -89,6 +94,7 @@ class StepHealth:
         self.window_start: Optional[int] = None
         self._window = -1
         self._active: dict[tuple[int, ...], int] = {}  # named ranks -> windows without
+        self._named: dict[tuple[int, ...], int] = {}  # named ranks -> windows with
         self.findings: list[dict[str, Any]] = []
         self.hosts: Optional[list[str]] = None
         self._probed: Optional[list[Finding]] = None
@@ -195,11 +201,16 @@ class StepHealth:
                 if self.rank == 0:
                     logger.warning("%s", self.describe(f, start, end))
             self._active[f.ranks] = 0
+            self._named[f.ranks] = self._named.get(f.ranks, 0) + 1
+            if self._named[f.ranks] == STRIKE_AFTER and self.rank == 0:
+                ledger.strike(self._hosts_of(f.ranks), self.describe(f, start, end),
+                              "straggler")
         named = {f.ranks for f in verdicts}
         for ranks in [r for r in self._active if r not in named]:
             self._active[ranks] += 1
             if self._active[ranks] >= CLEAR_AFTER:
                 del self._active[ranks]
+                self._named.pop(ranks, None)
                 if self.rank == 0:
                     logger.info("straggler cleared: %s (%s) by step %d",
                                 ", ".join(self._hosts_of(ranks)), ranks_text(ranks), end)
@@ -249,6 +260,8 @@ class StepHealth:
         found = divergence.check(step, named, self.host)
         if found is None:
             return
+        if self.corrupt is None and self.rank == 0 and not found.tied:  # once per job
+            ledger.strike(found.hosts, found.message().splitlines()[0], "sdc")
         self.corrupt = found
         if self.sdc == "stop":
             raise SilentCorruptionError(found.message())
