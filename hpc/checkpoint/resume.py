@@ -46,6 +46,7 @@ from hpc.checkpoint.files import (
 from hpc.checkpoint.ranks import PER_RANK, gather_rank_states, model_state_for, rank_extra_for
 from hpc.errors import CheckpointError
 from hpc.sync.agree import all_true, broadcast_object, world
+from hpc.watchdog import tracker
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
            "check_world_size", "load_states", "FORMAT"]
@@ -165,32 +166,43 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
     path = checkpoint_path(directory, step)
     error = None
     if rank == 0:
-        payload = {**(extra or {}), "format": FORMAT, "step": int(step),
-                   "epoch": int(epoch), "batch": int(batch), "world_size": size,
-                   "model": _unwrap(model).state_dict(), **(states or {})}
-        if optimizer is not None:
-            payload["optimizer"] = optimizer.state_dict()
-        if scheduler is not None:
-            payload["scheduler"] = scheduler.state_dict()
-        if sampler is not None:
-            payload["sampler"] = _sampler_state(sampler)
-            _warn_unresumable(sampler, epoch, batch, path)
-        try:
-            save_atomic(payload, path)  # loads it back by the resume's rule first
-            removed = prune(path.parent, keep)
-            logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
-        except CheckpointError as e:  # a value weights_only=True refuses, named
-            error = str(e)
-        except Exception as e:  # disk full, permissions, unpicklable extra
-            error = (
-                f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}.\n"
-                "The run continues from the previous checkpoint if it is restarted.\n"
-                "HINT: check free space and permissions of the directory, and that "
-                "extra= holds only tensors and plain Python values.")
+        with tracker.aside():  # the others wait for it: not a straggler (hpc.health)
+            error = _write(path, step, epoch, batch, size, model, optimizer, scheduler,
+                           sampler, extra, states, keep)
     error = broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
     return path
+
+
+def _write(path: Path, step: int, epoch: int, batch: int, size: int, model: nn.Module,
+           optimizer: Any, scheduler: Any, sampler: Any, extra: Optional[dict[str, Any]],
+           states: Optional[dict[str, Any]], keep: int) -> Optional[str]:
+    """The master's part of :func:`save_checkpoint`: the error text, or None."""
+    error = None
+    payload = {**(extra or {}), "format": FORMAT, "step": int(step),
+               "epoch": int(epoch), "batch": int(batch), "world_size": size,
+               "model": _unwrap(model).state_dict(), **(states or {})}
+    if optimizer is not None:
+        payload["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        payload["scheduler"] = scheduler.state_dict()
+    if sampler is not None:
+        payload["sampler"] = _sampler_state(sampler)
+        _warn_unresumable(sampler, epoch, batch, path)
+    try:
+        save_atomic(payload, path)  # loads it back by the resume's rule first
+        removed = prune(path.parent, keep)
+        logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
+    except CheckpointError as e:  # a value weights_only=True refuses, named
+        error = str(e)
+    except Exception as e:  # disk full, permissions, unpicklable extra
+        error = (
+            f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}.\n"
+            "The run continues from the previous checkpoint if it is restarted.\n"
+            "HINT: check free space and permissions of the directory, and that "
+            "extra= holds only tensors and plain Python values.")
+    return error
 
 
 #: Sampler types already warned about by :func:`_warn_unresumable` (once per process).

@@ -29,9 +29,11 @@ A window's compute time is a trimmed mean: its slowest :attr:`Rules.trim` of ste
 left out, so a checkpoint the master writes, or a validation pass, does not make it a
 straggler; a rank slowed all through a window is not trimmed away. A rank is named only
 when what it computes above its reference is at least :attr:`Rules.share` of the median
-step in one window, or half that in two windows in a row (it costs the job that much: an 8 ms excess in a 130 ms step that the wire slowed is
-not the cause), and more than :attr:`Rules.floor_s`; never more than half the ranks (that
-is the job slowing, not a rank).
+step (it costs the job that much: an 8 ms excess in a 130 ms step that the wire slowed is
+not the cause), and more than :attr:`Rules.floor_s` (5 ms: a busy node deschedules a
+process for that long, which looks like a stall); never more than half the ranks (that
+is the job slowing, not a rank); and only when it is so in two windows in a row (a
+busy machine makes single windows of any rank look slow).
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ class Rules:
     relative: float = 1.5
     individual: float = 1.5
     #: A rank's compute above the reference must be at least this share of the median
-    #: step: a rank that costs the job less than that is not named.
-    share: float = 0.2
+    #: step, two windows in a row: a rank that costs the job less is not named.
+    share: float = 0.15
     trim: float = 0.1
-    floor_s: float = 0.001
+    floor_s: float = 0.005
     baseline: int = 3
     #: Fraction of the median step spent waiting above which a slow job is the wire's.
     link_wait: float = 0.5
@@ -178,10 +180,10 @@ def judge(table: Sequence[Sequence[float]], baselines: Baselines,
     """The verdicts on one window's table (one row of :data:`FIELDS` per rank; ``hosts``:
     each rank's host).
 
-    Pure but for ``suspects``: the ranks that cost the job half of :attr:`Rules.share`
-    in the window before; the set is replaced by this window's, and a rank in both is
-    named as if it cost the full share (two windows of weaker evidence). The same
-    table gives every rank the same verdicts. ``baselines`` must already hold the
+    Pure but for ``suspects``: the ranks over the thresholds in the window before; the
+    set is replaced by this window's, and only a rank in both is named (two windows in a
+    row; ``None``: one window suffices). The same table gives every rank the same
+    verdicts. ``baselines`` must already hold the
     windows before this one (the caller adds this window after judging)."""
     before = set(suspects or ())
     if suspects is not None:
@@ -196,15 +198,12 @@ def judge(table: Sequence[Sequence[float]], baselines: Baselines,
 
     def costly(r: int, reference: float, factor: float) -> bool:
         excess = compute[r] - reference
-        if compute[r] <= factor * reference or excess <= rules.floor_s:
+        if compute[r] <= factor * reference or excess <= rules.floor_s \
+                or excess < rules.share * step:
             return False
-        if excess >= rules.share * step:
-            return True
-        if excess >= rules.share / 2 * step:
-            if suspects is not None:
-                suspects.add(r)
-            return r in before
-        return False
+        if suspects is not None:
+            suspects.add(r)
+        return r in before or suspects is None
 
     found: list[Finding] = []
     slow = [r for r in live if costly(r, ref[r], rules.relative)]

@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from hpc.watchdog import device
 
-__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "Progress", "begin", "end", "install",
+__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "Progress", "aside", "begin", "end", "install",
            "is_job_failure", "poll", "start_stall_meter", "uninstall", "wait", "waited"]
 
 #: The ``torch.distributed`` functions counted as collectives.
@@ -148,13 +148,14 @@ _ACTIVE: list[tuple[device.Backlog, OnFailure, tuple[type, ...]]] = []
 _AUTO: Any = object()
 
 
-#: Set by :func:`hang_next`: the next world collective this rank enters never returns.
+#: Set by :func:`hang_next`: the next world collective this rank calls never returns
+#: (and is never entered: the peers' report names this rank as the one that did not come).
 _HANG: list[bool] = []
 
 
 def hang_next() -> bool:
-    """Make the next world collective this rank enters sleep forever (``HPC_FAULT``'s
-    ``hang``): False when not installed (nothing would see the collective)."""
+    """Make the next world collective this rank calls sleep forever before it is entered
+    (``HPC_FAULT``'s ``hang``): False when not installed (nothing would see the collective)."""
     if not _ACTIVE:
         return False
     _HANG.append(True)
@@ -164,7 +165,8 @@ def hang_next() -> bool:
 def _hang_forever(name: str, seq: int) -> None:
     import logging
 
-    logging.getLogger(__name__).warning("HPC_FAULT: hanging in %s #%d (injected)", name, seq)
+    logging.getLogger(__name__).warning("HPC_FAULT: hanging at %s #%d, never entering it "
+                                        "(injected)", name, seq)
     while True:
         time.sleep(3600)
 
@@ -284,14 +286,14 @@ def _wrap(name: str, fn: Callable[..., Any], backlog: device.Backlog,
             first = _first_tensor(args, kwargs, first_name)
             if getattr(first, "is_cuda", False):
                 started = mark(first)  # type: ignore[misc]
+        if _HANG:  # HPC_FAULT's hang: frozen at the collective's door, never entering it
+            _hang_forever(name, progress.queued + 1)
         with lock:
             progress.queued = seq = progress.queued + 1
             if started is None and not items:  # nothing pending: entered now
                 progress.entered, progress.op, progress.since = seq, name, clock()
             else:
                 backlog.add(seq, name, started, clock())
-        if _HANG:  # HPC_FAULT's hang: entered, and never leaves
-            _hang_forever(name, seq)
         t0, s0 = perf(), stalled[0]
         try:
             result = fn(*args, **kwargs)
@@ -431,6 +433,22 @@ def wait(work: Any) -> Any:
         progress = _ACTIVE[0][0].progress
         with _LOCK:
             progress.waited += time.perf_counter() - t0 - (STALLED[0] - s0)
+
+
+class aside:
+    """``with tracker.aside():`` counts the block's time in :attr:`Progress.waited`: work
+    the job chose to do on one rank while the others wait for it (the master writing a
+    checkpoint) is not a straggler's compute."""
+
+    def __enter__(self) -> "aside":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _ACTIVE:
+            progress = _ACTIVE[0][0].progress
+            with _LOCK:
+                progress.waited += time.perf_counter() - self._t0
 
 
 def waited() -> Optional[float]:
