@@ -34,7 +34,8 @@ def format_ledger(book: Any, include_expired: bool = False) -> str:
     if not book.enabled:
         return f"{head}\nthe ledger is off (HPC_LEDGER_TTL=0): nothing is recorded or excluded"
     if not strikes:
-        return f"{head}\nno {'' if include_expired else 'live '}strikes"
+        return (f"{head}\nno {'' if include_expired else 'live '}strikes\n"
+                "the next hpc submit excludes: none")
     by: dict[str, list[Any]] = {}
     for s in strikes:
         by.setdefault(s.host, []).append(s)
