@@ -24,7 +24,11 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
    templates in ``slurm/``), the master writes the job id to that file instead and the
    batch shell, which runs outside the container, requeues the job.
 4. Slurm restarts the job (``SLURM_RESTART_COUNT`` counts restarts); it resumes from the
-   newest checkpoint of its run directory, so every step runs exactly once.
+   newest checkpoint of its run directory, so every step runs exactly once. Before it
+   does, while the requeued job is pending (the only state in which Slurm changes it),
+   the master adds the hosts of the bad-node ledger (:mod:`hpc.ledger`: two live
+   strikes) to the job's ``ExcNodeList`` (:func:`exclude_bad_nodes`); not where the
+   batch shell requeues (``HPC_REQUEUE_MARKER``).
 
 The ``HPC_*`` settings of this flow (``HPC_PREEMPT_SIGNAL``, ``HPC_PREEMPT_SIGNALS``,
 ``HPC_MAX_REQUEUES``, ``HPC_STOP_FILE``, ``HPC_REQUEUE_MARKER``, ``HPC_STEP_HOOK``) are in
@@ -59,8 +63,8 @@ from hpc import envvars
 from hpc.errors import EXIT_REQUEUED, PreemptError
 
 __all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_stop",
-           "stopped_by_request", "close_before_failing_exit", "DEFAULT_MAX_REQUEUES",
-           "EXIT_REQUEUED"]
+           "stopped_by_request", "close_before_failing_exit", "exclude_bad_nodes",
+           "DEFAULT_MAX_REQUEUES", "EXIT_REQUEUED"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +167,46 @@ def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str
     return None, "scontrol"
 
 
+def exclude_bad_nodes(job_id: str) -> Optional[str]:
+    """Add the bad-node ledger's hosts (:meth:`hpc.ledger.Ledger.excluded`) to the
+    ``ExcNodeList`` of ``job_id``, a requeued job that is pending again (``scontrol
+    update``; Slurm refuses it for a running job). The job's own exclusions stay.
+
+    Returns:
+        What was done (``excluding node3 (bad-node ledger: ...)``), or None: nothing to
+        exclude, or scontrol refused (a warning says why; the requeue stands).
+    """
+    from hpc.ledger import STRIKES, Ledger
+
+    try:
+        bad = list(Ledger().excluded())
+    except Exception as e:  # noqa: BLE001 - a broken ledger must not fail the requeue
+        logger.warning("bad-node ledger unreadable, requeued job %s excludes no host: %s",
+                       job_id, e)
+        return None
+    if not bad:
+        return None
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                               text=True, timeout=60).stdout
+        current = next((w.split("=", 1)[1] for w in shown.split()
+                        if w.startswith("ExcNodeList=")), "(null)")
+        merged = ",".join(([] if current in ("", "(null)") else [current])
+                          + [h for h in bad if h not in current.split(",")])
+        proc = subprocess.run(["scontrol", "update", f"JobId={job_id}",
+                               f"ExcNodeList={merged}"], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.CompletedProcess([], 1, "", f"{type(e).__name__}: {e}")
+    if proc.returncode != 0:
+        logger.warning("could not exclude %s from requeued job %s: `scontrol update "
+                       "ExcNodeList` said %s", ", ".join(bad), job_id,
+                       (proc.stderr or proc.stdout).strip() or proc.returncode)
+        return None
+    return (f"excluding {', '.join(bad)} (bad-node ledger: {STRIKES} live strikes; hpc "
+            "nodes --clear HOST allows one again)")
+
+
 def _decide(step: int, checkpoint: Optional[str], signame: str,
             before_requeue: Optional[Callable[[], None]],
             env: Mapping[str, str]) -> Outcome:
@@ -200,9 +244,11 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
             "resubmit the same command, which resumes from the run directory."))
     by = "" if how == "scontrol" else (" (scontrol is missing here: the batch shell "
                                        f"requeues it, {env['HPC_REQUEUE_MARKER']})")
+    excluding = exclude_bad_nodes(job) if how == "scontrol" else None
     return Outcome("requeued", EXIT_REQUEUED, (
         f"requeued job {job}{by} after step {step} ({signame}; {where}); restart "
-        f"{budget.restarts + 1} of at most {budget.max_requeues} resumes from it"))
+        f"{budget.restarts + 1} of at most {budget.max_requeues} resumes from it"
+        + (f"; {excluding}" if excluding else "")))
 
 
 def close_before_failing_exit() -> None:

@@ -103,3 +103,36 @@ def test_two_strikes_exclude_a_node_until_cleared_and_expired_ones_count_for_not
     assert "excluding" not in text, text
     assert "--exclude" not in _submission(logs, job)
     subprocess.run(["scancel", job], check=False, timeout=30)
+
+
+def _state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                          text=True, timeout=30).stdout.strip()
+
+
+@pytest.mark.timeout(180)
+def test_a_requeue_adds_the_bad_nodes_to_the_jobs_own_exclusions(
+        cluster: None, tmp_path: Path, cancel_after: list[str]) -> None:
+    """The master's requeue (:func:`hpc.preempt.requeue._decide`, run here for a real
+    running job): the requeued job excludes the ledger's node1 beside its own node4."""
+    from hpc.preempt import requeue
+
+    job = subprocess.run(["sbatch", "--parsable", "--requeue", "-N1", "-p", "debug",
+                          "--exclude=node4", "--time=3", "-o", str(tmp_path / "out"),
+                          "--wrap", "sleep 120"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout.strip().split(";")[0]
+    cancel_after.append(job)
+    deadline = time.monotonic() + 90
+    while _state(job) != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job} never ran: {_state(job)}"
+        time.sleep(1)
+    _strike("node1", 2, "slow node node1")
+    _strike("node1", 1, "slow node node1 again")
+    out = requeue._decide(7, None, "SIGUSR2", None, {"SLURM_JOB_ID": job})
+    assert out.kind == "requeued", out.message
+    assert out.message.endswith("; excluding node1 (bad-node ledger: 2 live strikes; hpc "
+                                "nodes --clear HOST allows one again)"), out.message
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                           text=True, timeout=30).stdout
+    assert "ExcNodeList=node4,node1 " in shown, shown
+    subprocess.run(["scancel", job], check=False, timeout=30)
