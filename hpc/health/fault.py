@@ -9,7 +9,7 @@ global rank) at the boundary of one step (after the step's work, where
 kind       what the rank does at step ``step``
 =========  ==============================================================================
 kill       SIGKILLs itself (the node "crashes": no traceback, no failure mark of its own)
-hang       enters the next world collective and never leaves it (a frozen rank)
+hang       stops at its next world collective, never entering it (a frozen rank)
 exit       ``sys.exit(1)`` (a failing exit status)
 exc        raises :class:`~hpc.errors.InjectedFault` (an application error with a traceback)
 slow:F     from this step on, sleeps ``F - 1`` times each step's compute time (a straggler)

@@ -259,6 +259,8 @@ class StepHealth:
         named = divergence.named_state(self.model, self.optimizer)
         found = divergence.check(step, named, self.host)
         if found is None:
+            if self.rank == 0:
+                logger.debug("replicas agree at step %d (%d tensors)", step, len(named))
             return
         if self.corrupt is None and self.rank == 0 and not found.tied:  # once per job
             ledger.strike(found.hosts, found.message().splitlines()[0], "sdc")
