@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from hpc.watchdog import device
 
-__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "Progress", "aside", "begin", "end", "install",
+__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "STALLED", "Progress", "aside", "begin", "end", "install",
            "is_job_failure", "poll", "start_stall_meter", "uninstall", "wait", "waited"]
 
 #: The ``torch.distributed`` functions counted as collectives.
@@ -399,7 +399,7 @@ _METER: list[threading.Thread] = []
 
 def start_stall_meter(period: float = 0.005, late: float = 0.010) -> None:
     """Start (once) a daemon thread that wakes every ``period`` seconds and adds to
-    :data:`STALLED` every wake-up later than ``late`` seconds: the process did not run."""
+    ``STALLED`` every wake-up later than ``late`` seconds: the process did not run."""
     if _METER:
         return
 
