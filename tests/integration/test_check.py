@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc.ledger import Ledger
 from tests.helpers.mpi import launcher
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import hpc_run, run_group
@@ -89,6 +90,7 @@ def test_four_nodes_healthy(job: str, tmp_path: Path) -> None:
     assert verdict(proc.stdout).startswith("OK: 4 nodes, 6 pairs, no outliers"), proc.stdout
     assert [r["host"] for r in json.loads((tmp_path / "hpc-check.json").read_text())["ranks"]] \
         == list(NODES)
+    assert Ledger().strikes() == []  # a healthy node never enters the bad-node ledger
 
 
 def _tc(action: str, *qdisc: str, what: str = "qdisc") -> subprocess.CompletedProcess[str]:
@@ -131,6 +133,10 @@ def test_four_nodes_throttled_node3_is_named_alone(job: str, tmp_path: Path) -> 
     again = {(p["a"], p["b"]) for p in pairs if "alone" in p}
     assert again >= {("node1", "node3"), ("node2", "node3"), ("node3", "node4")}, pairs
     assert all(p["alone"]["busbw"] < 0.02e9 for p in pairs if "node3" in (p["a"], p["b"]))
+    # the master, on node1, struck node3 once in the test's own ledger (HPC_STATE_DIR)
+    (strike,) = Ledger().strikes()
+    assert (strike.host, strike.source) == ("node3", "check") and str(strike.job).isdigit()
+    assert strike.reason.startswith("slow node node3: busbw of all its 3 pairs"), strike
 
 
 def _node_address(node: str) -> str:
@@ -156,3 +162,4 @@ def test_four_nodes_one_slow_link_is_told_from_a_slow_node(job: str, tmp_path: P
     line = verdict(proc.stdout)
     assert line.startswith("FLAGGED node3, node4: slow link node3-node4: busbw"), line
     assert "slow node" not in line and "node1" not in line and "node2" not in line, line
+    assert Ledger().strikes() == []  # either end of a slow link may be fine: no strike
