@@ -43,6 +43,9 @@ class AgreedStop:
             rank); other calls return False without a collective.
         model, optimizer: The replicated state to compare across ranks every
             ``HPC_SDC_EVERY`` steps (silent-corruption check; none without ``model``).
+        health: The :class:`~hpc.health.step.StepHealth` to run at each call instead
+            of one made at the first call from ``model``, ``optimizer`` and the ``HPC_*``
+            settings (a loop that chooses its own, e.g. ``environ=``).
 
     Each call is also a step boundary of :class:`hpc.health.step.StepHealth`: the
     straggler detector's timing (its rows ride in this call's collective once per
@@ -55,7 +58,7 @@ class AgreedStop:
     """
 
     def __init__(self, guard: Optional[PreemptGuard] = None, *, every: int = 1,
-                 model: Any = None, optimizer: Any = None) -> None:
+                 model: Any = None, optimizer: Any = None, health: Any = None) -> None:
         if int(every) < 1:
             raise ValueError(f"AgreedStop: every={every} must be >= 1 (1: every step).")
         self.guard = guard if guard is not None else PreemptGuard().install()
@@ -63,7 +66,7 @@ class AgreedStop:
         self.stopped = False
         self.step: Optional[int] = None
         self._watched = (model, optimizer)
-        self._health: Any = None
+        self._health: Any = health
 
     @property
     def health(self) -> Any:
