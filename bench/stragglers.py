@@ -8,7 +8,7 @@ and, for the faults, the steps and seconds from the fault to the first verdict n
 node3; then the tally and medians. For the healthy runs also the noise floor: over every
 window, the highest compute ratio to the rank's reference (the median of the other
 hosts' ranks) and the highest excess as a share of the step, next to the rule's
-thresholds (1.5x, 5 ms and a 15 % share, two windows in a row).
+thresholds (1.3x, 2 ms and a 15 % share, two windows in a row).
 
     flock /tmp/hpc-heavy.lock python bench/stragglers.py --runs 5
 
@@ -132,7 +132,7 @@ def main() -> int:
                          f"{statistics.median(r['seconds'] for r in found):.1f} s after the fault")
         else:
             line += (f"; noise floor: highest ratio {max(r['ratio'] for r in rs):.2f}x "
-                     f"(rule 1.5x), highest share {100 * max(r['share'] for r in rs):.0f} % "
+                     f"(rule 1.3x), highest share {100 * max(r['share'] for r in rs):.0f} % "
                      f"in one window, {100 * max(r['twice'] for r in rs):.0f} % two windows "
                      "in a row (rule 15 %, two in a row)")
         print(line)

@@ -12,7 +12,7 @@ Every ``every`` steps (a *window*) each rank's summary (:data:`FIELDS`) travels 
 collective the loop makes anyway (:class:`hpc.AgreedStop`'s, ``hpc pretrain``'s
 metrics reduce), and :func:`judge` reads the table, the same on every rank:
 
-* **relative**: a rank whose window compute time is above ``relative`` times its
+* **relative**: a rank whose window compute time is above ``relative`` (1.3) times its
   reference, the median of the ranks on other hosts (a whole slow node is not its own
   reference; on one host, of the other ranks);
 * **individual**: a rank whose window compute time is above ``individual`` times its
@@ -25,12 +25,13 @@ metrics reduce), and :func:`judge` reads the table, the same on every rank:
   :func:`slow_links` names a host whose sends (or receives) are slow with both partners
   (:attr:`Rules.link` times the others' median).
 
-A window's compute time is a trimmed mean: its slowest :attr:`Rules.trim` of steps are
-left out, so a checkpoint the master writes, or a validation pass, does not make it a
-straggler; a rank slowed all through a window is not trimmed away. A rank is named only
-when what it computes above its reference is at least :attr:`Rules.share` of the median
-step (it costs the job that much: an 8 ms excess in a 130 ms step that the wire slowed is
-not the cause), and more than :attr:`Rules.floor_s` (5 ms: a busy node deschedules a
+A window's compute time is the mean over its steps (``Rules.trim``, 0 by default, can
+drop its slowest steps; a stop that lands in one short step must count). A checkpoint
+the master writes through :func:`hpc.save_checkpoint` counts as waiting
+(:class:`hpc.watchdog.tracker.aside`), validation in ``hpc pretrain`` as no step.
+A rank is named only when what it computes above its reference is at least
+:attr:`Rules.share` of the median step (it costs the job that much: an 8 ms excess in a 130 ms step that the wire slowed is
+not the cause), and more than :attr:`Rules.floor_s` (2 ms: a busy node deschedules a
 process for that long, which looks like a stall); never more than half the ranks (that
 is the job slowing, not a rank); and only when it is so in two windows in a row (a
 busy machine makes single windows of any rank look slow).
@@ -57,13 +58,13 @@ FIELDS = ("compute", "wait", "wall", "steps")
 class Rules:
     """Thresholds of the straggler verdicts (see the module's docstring)."""
 
-    relative: float = 1.5
+    relative: float = 1.3
     individual: float = 1.5
     #: A rank's compute above the reference must be at least this share of the median
     #: step, two windows in a row: a rank that costs the job less is not named.
     share: float = 0.15
-    trim: float = 0.1
-    floor_s: float = 0.005
+    trim: float = 0.0
+    floor_s: float = 0.002
     baseline: int = 3
     #: Fraction of the median step spent waiting above which a slow job is the wire's.
     link_wait: float = 0.5

@@ -35,9 +35,9 @@ def test_a_rank_computing_longer_than_the_others_is_named_with_the_others_wait()
 
 
 def test_just_under_the_threshold_is_not_a_verdict() -> None:
-    rows = [_row(0.010, 0.01), _row(0.010, 0.01), _row(0.0149, 0.006)]
+    rows = [_row(0.020, 0.01), _row(0.020, 0.01), _row(0.0259, 0.004)]  # 1.295x
     assert judge(rows, Baselines()) == []
-    rows[2] = _row(0.0151, 0.006)
+    rows[2] = _row(0.0261, 0.004)  # 1.305x
     assert [f.kind for f in judge(rows, Baselines())] == ["relative"]
 
 
