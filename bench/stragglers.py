@@ -42,7 +42,9 @@ ROWS = re.compile(r"steps\): (.*)$")
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
-    e.update(HPC_ALLOW_CPU="1", PYTHONUNBUFFERED="1", HPC_CONNECT_TIMEOUT="60")
+    # HPC_LEDGER_TTL=0: the bench's faults are not the nodes' (no strikes in your ledger)
+    e.update(HPC_ALLOW_CPU="1", PYTHONUNBUFFERED="1", HPC_CONNECT_TIMEOUT="60",
+             HPC_LEDGER_TTL="0")
     e["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), e.get("PATH", "")])
     return e
 
