@@ -40,8 +40,8 @@ from typing import Callable, Optional
 
 from hpc import envvars
 
-__all__ = ["STRIKES", "KEEP_EXPIRED_S", "DEFAULT_STATE_DIR", "Ledger", "Strike", "describe_exclusion",
-           "state_dir", "strike"]
+__all__ = ["STRIKES", "KEEP_EXPIRED_S", "DEFAULT_STATE_DIR", "Ledger", "Strike",
+           "describe_exclusion", "state_dir", "strike"]
 
 logger = logging.getLogger(__name__)
 

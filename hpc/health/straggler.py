@@ -30,8 +30,8 @@ drop its slowest steps; a stop that lands in one short step must count). A check
 the master writes through :func:`hpc.save_checkpoint` counts as waiting
 (:class:`hpc.watchdog.tracker.aside`), validation in ``hpc pretrain`` as no step.
 A rank is named only when what it computes above its reference is at least
-:attr:`Rules.share` of the median step (it costs the job that much: an 8 ms excess in a 130 ms step that the wire slowed is
-not the cause), and more than :attr:`Rules.floor_s` (2 ms: a busy node deschedules a
+:attr:`Rules.share` of the median step (it costs the job that much: an 8 ms excess in
+a 130 ms step that the wire slowed is not the cause), and more than :attr:`Rules.floor_s` (2 ms: a busy node deschedules a
 process for that long, which looks like a stall); never more than half the ranks (that
 is the job slowing, not a rank); and only when it is so in two windows in a row (a
 busy machine makes single windows of any rank look slow).

@@ -41,8 +41,9 @@ from typing import Any, Optional
 
 from hpc.watchdog import device
 
-__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "STALLED", "Progress", "aside", "begin", "end", "install",
-           "is_job_failure", "poll", "start_stall_meter", "uninstall", "wait", "waited"]
+__all__ = ["COLLECTIVES", "DEVICE_COLLECTIVES", "STALLED", "Progress", "aside", "begin", "end",
+           "hang_next", "install", "is_job_failure", "poll", "start_stall_meter", "uninstall",
+           "wait", "waited"]
 
 #: The ``torch.distributed`` functions counted as collectives.
 COLLECTIVES = (
