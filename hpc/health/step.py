@@ -92,7 +92,6 @@ class StepHealth:
         self.clock = StepClock(tracker.waited)
         self.baselines = Baselines()
         self.window_start: Optional[int] = None
-        self._window = -1
         self._active: dict[tuple[int, ...], int] = {}  # named ranks -> windows without
         self._named: dict[tuple[int, ...], int] = {}  # named ranks -> windows with
         self.findings: list[dict[str, Any]] = []
@@ -127,10 +126,15 @@ class StepHealth:
 
     # -- straggler windows -------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        """Whether the caller's collective at ``step`` carries the rows (the same answer
-        on every rank: the first carried step of each window of ``every`` steps)."""
-        return self.stragglers and step // self.every > self._window
+    def due(self, step: int, agreed_every: int = 1) -> bool:
+        """Whether the caller's collective at ``step`` carries the rows: the first step of
+        each window of ``every`` steps at which the caller agrees (it agrees on multiples
+        of ``agreed_every``). A pure function of ``step``, so a resumed run carries them at
+        the same steps as an uninterrupted one (the carrying collective's length, and
+        with it the rounding of what else it sums, is the same at every step)."""
+        if not self.stragglers or step % agreed_every:
+            return False
+        return step // self.every > (step - agreed_every) // self.every
 
     def row(self) -> list[float]:
         """This rank's :data:`~hpc.health.straggler.FIELDS` for the window now ending."""
@@ -139,7 +143,6 @@ class StepHealth:
     def receive(self, step: int, table: list[list[float]]) -> list[Finding]:
         """Every rank's row (rank order, the same on every rank): the window's verdicts."""
         t0 = time.perf_counter()
-        self._window = step // self.every
         start, self.window_start = self.window_start, step + 1
         if self.hosts is None:
             from hpc.sync.agree import gather_objects

@@ -104,7 +104,7 @@ class AgreedStop:
             return True
         if step % self.every:
             return False
-        if health.due(step):
+        if health.due(step, self.every):
             agreed = self._agree_with_rows(local, health, step)
         else:
             agreed = self._agree(local)

@@ -164,3 +164,20 @@ def test_ranks_text() -> None:
     assert ranks_text((5, 4)) == "ranks 4-5"
     assert ranks_text((2,)) == "rank 2"
     assert ranks_text((1, 3)) == "ranks 1,3"
+
+
+def test_window_steps_are_a_function_of_the_step_alone() -> None:
+    """A resumed run carries the rows at the same steps as an uninterrupted one: pretrain
+    sums them in its metrics all_reduce, whose length (and rounding) must not depend on
+    where the run started."""
+    from hpc.health.step import StepHealth
+
+    def due_steps(start: int, agreed_every: int) -> list[int]:
+        h = StepHealth(0, 1, environ={})
+        h.stragglers = True  # as with a tracker installed and several ranks
+        return [s for s in range(start, 101) if h.due(s, agreed_every)]
+
+    assert due_steps(1, 1) == [20, 40, 60, 80, 100]
+    assert due_steps(57, 1) == [60, 80, 100]  # resumed after step 56
+    assert due_steps(1, 3) == [21, 42, 60, 81]  # the first agreed step of each window
+    assert due_steps(50, 3) == [60, 81]
