@@ -7,8 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.helpers.paths import ROOT
 
@@ -63,3 +67,24 @@ def hpc_run(nproc: int, cmd: Sequence[str], *, timeout: float = 120,
     """
     argv = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--", *cmd]
     return run_group(argv, timeout=timeout, env=env or clean_env(), cwd=ROOT)
+
+
+def start_hpc_run(pid_dir: Path, cmd: Sequence[str], *, nproc: int = 2,
+                  env: dict[str, str] | None = None, merge_stderr: bool = False
+                  ) -> tuple[subprocess.Popen[str], list[int]]:
+    """``hpc run --nproc N -- CMD`` in a session of its own (this interpreter, output
+    piped; stderr into stdout with ``merge_stderr``), once every rank wrote its pid to
+    ``pid_dir/pid<rank>``: the process and the ranks' pids. The test fails (and the group
+    is killed) when they have not within 40 s or the run ended first."""
+    argv = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--", *cmd]
+    proc = subprocess.Popen(argv, env=env or clean_env(), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 40
+    while not all((pid_dir / f"pid{r}").exists() for r in range(nproc)):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            kill_group(proc)
+            pytest.fail(f"ranks did not start: {proc.communicate()}")
+        time.sleep(0.02)
+    return proc, [int((pid_dir / f"pid{r}").read_text()) for r in range(nproc)]

@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,15 @@ def require_four() -> None:
         if in_ci():
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+def job_on_four(prefix: str) -> Iterator[str]:
+    """For a fixture: a unique job name on partition ``four`` (skipped, or failed in CI,
+    without it); every job of that name is cancelled afterwards."""
+    require_four()
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    yield name
+    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
 
 
 def slurm_env(**extra: str) -> dict[str, str]:

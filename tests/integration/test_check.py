@@ -18,7 +18,6 @@ import json
 import re
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from tests.helpers.paths import ROOT
 from tests.helpers.processes import hpc_run, run_group
 from tests.helpers.requires import require
 from tests.helpers.slurm import FOUR as NODES
-from tests.helpers.slurm import require_four, run, slurm_env
+from tests.helpers.slurm import job_on_four, run, slurm_env
 
 CHECK = ["python", "-m", "hpc", "check"]
 
@@ -76,10 +75,7 @@ def _srun_check(job: str, tmp: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture
 def job() -> Iterator[str]:
     """A unique job name on the 4-node partition; its jobs are cancelled afterwards."""
-    require_four()
-    name = f"hpct-check-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
+    yield from job_on_four("hpct-check")
 
 
 @pytest.mark.slurm

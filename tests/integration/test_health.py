@@ -15,14 +15,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.paths import ROOT, script
-from tests.helpers.processes import clean_env, hpc_run, kill_group
+from tests.helpers.paths import script
+from tests.helpers.processes import clean_env, hpc_run, kill_group, start_hpc_run
 
 TRAIN = script("health_train.py")
 #: The master's verdict line: the ranks named and the window's steps.
@@ -76,17 +75,8 @@ def test_slow_rank_is_named_soon_after_its_fault_and_only_then(tmp_path: Path) -
 def _start_with_pids(nproc: int, pid_dir: Path, **env: str) -> tuple[subprocess.Popen[str],
                                                                     list[int]]:
     """``hpc run`` of the training script in a session of its own; every rank's pid."""
-    argv = [sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--", "python", TRAIN]
-    proc = subprocess.Popen(argv, env=clean_env(PID_DIR=str(pid_dir), **env), cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 40
-    while not all((pid_dir / f"pid{r}").exists() for r in range(nproc)):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            kill_group(proc)
-            pytest.fail(f"ranks did not start: {proc.communicate()[0]}")
-        time.sleep(0.02)
-    return proc, [int((pid_dir / f"pid{r}").read_text()) for r in range(nproc)]
+    return start_hpc_run(pid_dir, ["python", TRAIN], nproc=nproc,
+                         env=clean_env(PID_DIR=str(pid_dir), **env), merge_stderr=True)
 
 
 def _duty_cycle(proc: subprocess.Popen[str], pid: int, stopped: float, running: float,

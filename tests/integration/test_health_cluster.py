@@ -20,8 +20,6 @@ Run (2 shared cores: one heavy run at a time)::
 
 from __future__ import annotations
 
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import pytest
 
 from tests.helpers.health import TBF, duty_cycle, pretrain_on_four, rank_pid, tc_node3
 from tests.helpers.requires import require
-from tests.helpers.slurm import require_four, slurm_env
+from tests.helpers.slurm import job_on_four, slurm_env
 
 AT = 60  #: the fault starts after this step (three healthy windows: the baselines)
 WITHIN = 40  #: named by the window ending at AT + WITHIN
@@ -37,10 +35,7 @@ WITHIN = 40  #: named by the window ending at AT + WITHIN
 
 @pytest.fixture
 def job() -> Iterator[str]:
-    require_four()
-    name = f"hpct-health-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run(["scancel", f"--name={name}"], check=False, capture_output=True, timeout=30)
+    yield from job_on_four("hpct-health")
 
 
 def _assert_named_node3_after(run, what: str) -> None:

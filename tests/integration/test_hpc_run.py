@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.paths import ROOT, script
-from tests.helpers.processes import clean_env, hpc_run, kill_group
+from tests.helpers.paths import script
+from tests.helpers.processes import clean_env, hpc_run, kill_group, start_hpc_run
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -20,17 +20,7 @@ pytestmark = pytest.mark.timeout(90)
 def _start(tmp_path: Path, *cmd: str, nproc: int = 2,
            env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], list[int]]:
     """Start ``hpc run`` in a session of its own; wait until every rank wrote its pid."""
-    proc = subprocess.Popen([sys.executable, "-m", "hpc", "run", "--nproc", str(nproc), "--",
-                             *cmd], env=env or clean_env(), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + 40
-    while not all((tmp_path / f"pid{r}").exists() for r in range(nproc)):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            kill_group(proc)
-            pytest.fail(f"ranks did not start: {proc.communicate()}")
-        time.sleep(0.05)
-    return proc, [int((tmp_path / f"pid{r}").read_text()) for r in range(nproc)]
+    return start_hpc_run(tmp_path, cmd, nproc=nproc, env=env)
 
 
 def _gone(pids: list[int], within: float = 5.0) -> bool:
