@@ -231,6 +231,9 @@ VARIABLES: dict[str, Variable] = _table(
     Variable("HPC_ERROR_DIR", _text, "a directory", None, "none",
              "set by hpc run, slurm/pretrain.sbatch and hpc submit: each rank records there "
              "when and why it began to fail, so the first failing rank can be named"),
+    Variable("HPC_TRACEBACK", _switch, "1 or 0", False, "0",
+             "1: an hpc command that fails with a torch-hpc error shows the traceback "
+             "after the message (by default the message alone, in one write)"),
     Variable("HPC_RUN_ID", _text, "any text", None, "none",
              "set by hpc run: the launcher is reported as hpc-run and the variables are "
              "trusted as the launcher's own"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,7 +72,7 @@ def run_subcommand(add_parser: Callable[[Any], None],
     add_parser(sub)
     (command,) = sub.choices
     args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args) or 0)
+    return _handle(args)
 
 
 def subcommand(add_parser: Callable[[Any], None]) -> Callable[[Sequence[str] | None], int]:
@@ -91,7 +92,30 @@ def subcommand(add_parser: Callable[[Any], None]) -> Callable[[Sequence[str] | N
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hpc`` console script."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return _handle(args)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    """Run the handler; an :class:`~hpc.errors.HPCError` becomes its message and status 1.
+
+    The message (fact, cause, HINT) is written in ONE write, without a traceback: under
+    ``srun --kill-on-bad-exit`` the step is cancelled as soon as a task exits non-zero and
+    srun may drop what it had not yet forwarded, so a traceback written line by line lost
+    its last line, the one that says what is wrong. ``HPC_TRACEBACK=1`` shows it after.
+    """
+    from hpc.errors import HPCError
+
+    try:
+        return int(args.func(args) or 0)
+    except HPCError as e:
+        from hpc import envvars
+        from hpc.watchdog import failure
+
+        failure.mark_exception(e)
+        os.write(2, f"hpc {args.command}: {type(e).__name__}: {e}\n".encode(errors="replace"))
+        if envvars.value("HPC_TRACEBACK"):
+            raise
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

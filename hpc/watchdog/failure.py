@@ -55,6 +55,7 @@ _INSTALLED: dict[str, bool] = {}
 _FAILED: dict[str, str] = {}
 #: Open file objects faulthandler writes into (must outlive the process).
 _FAULT_FILES: list[Any] = []
+_MARK_PATH: list[Path] = []
 
 
 def note_failure(reason: str = "failed") -> None:
@@ -81,6 +82,19 @@ def watch() -> None:
         previous(kind, exc, tb)
 
     sys.excepthook = hook
+
+
+def mark_exception(exc: BaseException) -> None:
+    """Note ``exc`` as this process's failure and, under :func:`install`, mark the rank
+    with its message (the excepthook does; so does an entry point that reports the
+    exception itself instead of letting it reach the hook)."""
+    note_failure(type(exc).__name__)
+    if not _MARK_PATH:
+        return
+    try:
+        _write(_MARK_PATH[-1], "".join(traceback.format_exception_only(type(exc), exc)).strip())
+    except OSError:
+        pass
 
 
 def _write(path: Path, message: str, when: float | None = None,
@@ -145,13 +159,11 @@ def install(rank: int, environ: dict[str, str] | None = None) -> None:
     except OSError:
         return
     path = Path(directory) / f"{rank}.json"
+    _MARK_PATH.append(path)
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        try:
-            _write(path, "".join(traceback.format_exception_only(kind, exc)).strip())
-        except OSError:
-            pass
+        mark_exception(exc)
         previous(kind, exc, tb)
 
     sys.excepthook = hook

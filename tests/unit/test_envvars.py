@@ -34,6 +34,7 @@ TYPOS = {
     "HPC_SDC_EVERY": "1e2",
     "HPC_FAULT": "3:kill",
     "HPC_LEDGER_TTL": "24h",
+    "HPC_TRACEBACK": "verbose",
 }
 #: Variables whose value is any text (a path, an id): nothing to get wrong in the form.
 FREE_TEXT = {"HPC_LOG_DIR", "HPC_ERROR_DIR", "HPC_RUN_ID", "HPC_PYTHON", "HPC_STOP_FILE",
@@ -54,7 +55,7 @@ ACCEPTED = [
     ("HPC_STRAGGLER", "off", False), ("HPC_STRAGGLER_EVERY", "5", 5),
     ("HPC_SDC", "warn", "warn"), ("HPC_SDC_EVERY", "0", 0),
     ("HPC_FAULT", "3:50:kill", ((3, 50, "kill", None),)),
-    ("HPC_LEDGER_TTL", "3600", 3600.0), ("HPC_LEDGER_TTL", "0", 0.0),
+    ("HPC_TRACEBACK", "1", True), ("HPC_LEDGER_TTL", "3600", 3600.0), ("HPC_LEDGER_TTL", "0", 0.0),
     ("HPC_FAULT", "1:20:slow:1.5, 0:7:bitflip",
      ((1, 20, "slow", 1.5), (0, 7, "bitflip", None))),
 ]

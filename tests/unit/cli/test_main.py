@@ -71,3 +71,32 @@ def test_module_main_reports_usage_as_hpc_subcommand(
         errors.append(capsys.readouterr().err)
     assert errors[0] == errors[1]
     assert errors[0].startswith("usage: hpc demo [-h] [--backend BACKEND]")
+
+
+_INCONSISTENT = {"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}
+
+
+def _hpc_env(extra: dict[str, str]) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    return subprocess.run([sys.executable, "-m", "hpc", "env"], env={**env, **extra},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_torch_hpc_error_is_its_message_in_one_line_and_status_1() -> None:
+    """Under srun --kill-on-bad-exit a traceback written line by line lost its last line
+    (CI, stop 35): the message comes alone, first, so it is what reaches the log."""
+    proc = _hpc_env(_INCONSISTENT)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("hpc env: "), proc.stderr
+    assert "Traceback" not in proc.stderr and "RANK" in proc.stderr and "HINT" in proc.stderr
+
+
+def test_hpc_traceback_shows_the_traceback_after_the_message() -> None:
+    proc = _hpc_env({**_INCONSISTENT, "HPC_TRACEBACK": "1"})
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("hpc env: ") and "Traceback (most recent call last)" in proc.stderr
