@@ -56,7 +56,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Callable, Optional
 
 from hpc import envvars
@@ -167,9 +167,9 @@ def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str
     return None, "scontrol"
 
 
-def exclude_bad_nodes(job_id: str) -> Optional[str]:
-    """Add the bad-node ledger's hosts (:meth:`hpc.ledger.Ledger.excluded`) to the
-    ``ExcNodeList`` of ``job_id``, a requeued job that is pending again (``scontrol
+def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = ()) -> Optional[str]:
+    """Add ``hosts`` and the bad-node ledger's hosts (:meth:`hpc.ledger.Ledger.excluded`)
+    to the ``ExcNodeList`` of ``job_id``, a requeued job that is pending again (``scontrol
     update``; Slurm refuses it for a running job). The job's own exclusions stay.
 
     Returns:
@@ -179,11 +179,12 @@ def exclude_bad_nodes(job_id: str) -> Optional[str]:
     from hpc.ledger import STRIKES, Ledger
 
     try:
-        bad = list(Ledger().excluded())
+        ledger = list(Ledger().excluded())
     except Exception as e:  # noqa: BLE001 - a broken ledger must not fail the requeue
         logger.warning("bad-node ledger unreadable, requeued job %s excludes no host: %s",
                        job_id, e)
-        return None
+        ledger = []
+    bad = list(dict.fromkeys([*hosts, *ledger]))
     if not bad:
         return None
     try:
@@ -203,8 +204,11 @@ def exclude_bad_nodes(job_id: str) -> Optional[str]:
                        "ExcNodeList` said %s", ", ".join(bad), job_id,
                        (proc.stderr or proc.stdout).strip() or proc.returncode)
         return None
-    return (f"excluding {', '.join(bad)} (bad-node ledger: {STRIKES} live strikes; hpc "
-            "nodes --clear HOST allows one again)")
+    why = [f"{', '.join(hosts)} failed in this job"] if hosts else []
+    if ledger:
+        why.append(f"{', '.join(ledger)}: bad-node ledger, {STRIKES} live strikes; hpc nodes "
+                   "--clear HOST allows one again")
+    return f"excluding {', '.join(bad)} ({'; '.join(why)})"
 
 
 def _decide(step: int, checkpoint: Optional[str], signame: str,

@@ -45,7 +45,8 @@ from hpc import envvars
 from hpc.errors import EXIT_REQUEUED
 
 __all__ = ["GENERIC_MESSAGE", "FirstFailure", "describe_failure", "failed", "first_by_marks",
-           "first_failure", "install", "note_failure", "read_mark", "watch", "write_mark"]
+           "first_failure", "install", "mark_exception", "note_failure", "read_mark",
+           "SrunExit", "srun_exits", "watch", "write_mark"]
 
 #: The message of a mark written at the exit of a process marked as failing
 #: (:func:`note_failure`) that said nothing more (no uncaught exception).
@@ -284,6 +285,19 @@ def _ranks(tasks: str) -> str:
     return f"{word} {tasks}"
 
 
+def _compact(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5`` (srun's own form)."""
+    parts: list[str] = []
+    for r in ranks:
+        if parts and "-" not in parts[-1].split(",")[-1] and int(parts[-1]) == r - 1:
+            parts[-1] = f"{parts[-1]}-{r}"
+        elif parts and "-" in parts[-1] and int(parts[-1].split("-")[1]) == r - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ",".join(parts)
+
+
 def _expand(tasks: str) -> list[int]:
     """``0-2,5`` -> ``[0, 1, 2, 5]``."""
     out: list[int] = []
@@ -291,6 +305,43 @@ def _expand(tasks: str) -> list[int]:
         low, _, high = part.partition("-")
         if low.isdigit() and (not high or high.isdigit()):
             out.extend(range(int(low), int(high or low) + 1))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SrunExit:
+    """One ``srun: error: node3: tasks 4-5: Killed`` line.
+
+    Attributes:
+        host: The node.
+        ranks: The tasks (global ranks) it names.
+        what: What srun said of them (``Killed``, ``Terminated``, ``Exited with exit
+            code 1``).
+        after_cancel: True when srun had already cancelled the step (its ``Terminating
+            StepId`` line came first): a consequence of the first failure, not a cause.
+    """
+
+    host: str
+    ranks: tuple[int, ...]
+    what: str
+    after_cancel: bool = False
+
+
+_CANCEL = re.compile(r"srun: .*(?:Terminating|Force Terminated) (?:StepId|job step)")
+
+
+def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
+    """srun's error lines about tasks, in the order srun printed them (the one parser of
+    them: ``hpc first-failure`` and ``hpc supervise`` read the same lines)."""
+    out: list[SrunExit] = []
+    cancelled = False
+    for line in lines:
+        m = _SRUN_ERROR.search(line)
+        if m:
+            out.append(SrunExit(m["node"], tuple(_expand(m["tasks"])), m["what"].strip(),
+                                cancelled))
+        elif _CANCEL.search(line):
+            cancelled = True
     return out
 
 
@@ -329,11 +380,11 @@ def describe_failure(logs: Sequence[Path], marks: str | Path | None = None) -> l
             text = Path(path).read_text(errors="replace")
         except OSError:
             continue
-        for line in text.splitlines():
-            m = _SRUN_ERROR.search(line)
-            if m:
-                found.append(f"{_ranks(m['tasks'])} on {m['node']}: {m['what'].strip()}")
-                tasks.extend(_expand(m["tasks"]))
+        lines = text.splitlines()
+        for e in srun_exits(lines):
+            found.append(f"{_ranks(_compact(e.ranks))} on {e.host}: {e.what}")
+            tasks.extend(e.ranks)
+        for line in lines:
             s = _STEPD.search(line)
             if s and s["why"].strip():
                 found.append(f"slurm: cancelled{s['why'].rstrip()}")

@@ -130,8 +130,8 @@ def test_a_requeue_adds_the_bad_nodes_to_the_jobs_own_exclusions(
     _strike("node1", 1, "slow node node1 again")
     out = requeue._decide(7, None, "SIGUSR2", None, {"SLURM_JOB_ID": job})
     assert out.kind == "requeued", out.message
-    assert out.message.endswith("; excluding node1 (bad-node ledger: 2 live strikes; hpc "
-                                "nodes --clear HOST allows one again)"), out.message
+    assert out.message.endswith("; excluding node1 (node1: bad-node ledger, 2 live strikes; "
+                                "hpc nodes --clear HOST allows one again)"), out.message
     shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
                            text=True, timeout=30).stdout
     assert "ExcNodeList=node4,node1 " in shown, shown
