@@ -234,6 +234,20 @@ VARIABLES: dict[str, Variable] = _table(
     Variable("HPC_TRACEBACK", _switch, "1 or 0", False, "0",
              "1: an hpc command that fails with a torch-hpc error shows the traceback "
              "after the message (by default the message alone, in one write)"),
+    Variable("HPC_PROGRESS_FILE", _text, "a file", None, "none",
+             "set by hpc supervise: hpc.save_checkpoint records the step and path of each "
+             "checkpoint there (global master), so the supervisor knows where a restart "
+             "resumes and whether an attempt made progress"),
+    Variable("HPC_SPARE_NODES", _count, "a count of nodes", 0, "0",
+             "hpc supervise (the sbatch templates): nodes of the allocation held back as spares; "
+             "the step runs on the others and a restart takes a spare in place of a host "
+             "that failed"),
+    Variable("HPC_MAX_RESTARTS", _count, "a count", 3, "3",
+             "hpc supervise: restarts inside the allocation after infrastructure failures "
+             "(an attempt that wrote no new checkpoint counts twice)"),
+    Variable("HPC_ATTEMPT", _count, "a count", 0, "0",
+             "set by hpc supervise: 0 for the first attempt of the step in this allocation, "
+             "n for its n-th restart (HPC_FAULT reaches attempt 0 only)"),
     Variable("HPC_RUN_ID", _text, "any text", None, "none",
              "set by hpc run: the launcher is reported as hpc-run and the variables are "
              "trusted as the launcher's own"),

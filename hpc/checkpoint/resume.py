@@ -45,6 +45,7 @@ from hpc.checkpoint.files import (
 )
 from hpc.checkpoint.ranks import PER_RANK, gather_rank_states, model_state_for, rank_extra_for
 from hpc.errors import CheckpointError
+from hpc.supervise.progress import note_checkpoint
 from hpc.sync.agree import all_true, broadcast_object, world
 from hpc.watchdog import tracker
 
@@ -192,6 +193,7 @@ def _write(path: Path, step: int, epoch: int, batch: int, size: int, model: nn.M
         _warn_unresumable(sampler, epoch, batch, path)
     try:
         save_atomic(payload, path)  # loads it back by the resume's rule first
+        note_checkpoint(step, path)  # for hpc supervise: where a restart resumes
         removed = prune(path.parent, keep)
         logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
     except CheckpointError as e:  # a value weights_only=True refuses, named

@@ -25,7 +25,7 @@ SUBCOMMANDS = {"run": "hpc.cli.run", "env": "hpc.cli.env", "demo": "hpc.cli.demo
                "pretrain": "hpc.pretrain.cli", "search": "hpc.search.search_cli",
                "tune": "hpc.search.tune_cli", "submit": "hpc.submit.cli",
                "first-failure": "hpc.cli.failures", "check": "hpc.check.cli",
-               "nodes": "hpc.cli.nodes"}
+               "nodes": "hpc.cli.nodes", "supervise": "hpc.supervise.cli"}
 
 
 def _unavailable(name: str, error: Exception) -> int:

@@ -35,10 +35,13 @@ TYPOS = {
     "HPC_FAULT": "3:kill",
     "HPC_LEDGER_TTL": "24h",
     "HPC_TRACEBACK": "verbose",
+    "HPC_SPARE_NODES": "one",
+    "HPC_MAX_RESTARTS": "-1",
+    "HPC_ATTEMPT": "first",
 }
 #: Variables whose value is any text (a path, an id): nothing to get wrong in the form.
 FREE_TEXT = {"HPC_LOG_DIR", "HPC_ERROR_DIR", "HPC_RUN_ID", "HPC_PYTHON", "HPC_STOP_FILE",
-             "HPC_REQUEUE_MARKER", "HPC_STATE_DIR"}
+             "HPC_REQUEUE_MARKER", "HPC_STATE_DIR", "HPC_PROGRESS_FILE"}
 #: The documented forms, and what they read as.
 ACCEPTED = [
     ("HPC_LAUNCHER", "slurm", "slurm"), ("HPC_LAUNCHER", "mpi4py", "mpi4py"),

@@ -1,0 +1,16 @@
+"""Keep training when a node dies: ``hpc supervise`` runs the job's step from the batch
+shell and restarts it inside the allocation without the host that failed.
+
+- :mod:`hpc.supervise.verdict`: pure, why an attempt failed (the host's fault or the
+  program's) from srun's lines, the failure marks and the nodes' Slurm states;
+- :mod:`hpc.supervise.plan`: pure, the next attempt's hosts (spares fill in), the restart
+  budget and the no-progress limit, requeue without the bad hosts when none is left;
+- :mod:`hpc.supervise.progress`: the newest checkpoint, as the ranks report it;
+- :mod:`hpc.supervise.supervisor`: the loop (srun, sinfo, scancel, the ledger);
+- :mod:`hpc.supervise.cli`: ``hpc supervise``.
+
+Runs on the batch host; imports no torch. The ranks only write the progress file
+(:func:`hpc.save_checkpoint` does).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,298 @@
+"""``hpc supervise``: run the job's step, and restart it inside the allocation when a host
+fails — without that host.
+
+Runs in the batch shell (``slurm/*.sbatch``), never in a rank. Each attempt is one
+``srun --kill-on-bad-exit=1 --nodelist=HOSTS`` of the command on ``nodes`` hosts of the
+allocation; the others are spares (``--spare-nodes``, ``HPC_SPARE_NODES``). While it runs,
+the supervisor watches the step's hosts in Slurm (``sinfo``): a host that goes DOWN or
+stops responding ends the attempt at once (the step is cancelled, the ranks cannot
+finish it). After a failure it gathers the evidence (srun's exit lines, the ranks'
+failure marks in the attempt's ``HPC_ERROR_DIR``, the hosts' states), classifies it
+(:mod:`hpc.supervise.verdict`), decides (:mod:`hpc.supervise.plan`) and logs ONE line
+with the evidence and the decision. A relaunch resumes from the newest checkpoint the
+ranks reported (``HPC_PROGRESS_FILE``): the command must resume by itself, as ``hpc
+pretrain`` does from its run directory and a script with :func:`hpc.restore_checkpoint`.
+
+``HPC_FAULT`` (:mod:`hpc.health.fault`) reaches the first attempt only: an injected crash
+is one crash, not one per attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hpc.supervise import plan as plans
+from hpc.supervise.progress import read_progress
+from hpc.supervise.verdict import Evidence, Mark, Verdict, classify, gone
+from hpc.watchdog import failure
+
+__all__ = ["Options", "supervise", "SETTLE_S", "POLL_S"]
+
+logger = logging.getLogger(__name__)
+
+#: Once a rank failed, seconds srun gets to end the step before it is cancelled (a host
+#: that stopped answering keeps srun waiting for its tasks).
+SETTLE_S = 8.0
+#: Seconds between two looks at the step's hosts in Slurm.
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``hpc supervise`` was asked (see :mod:`hpc.supervise.cli`)."""
+
+    command: tuple[str, ...]
+    spare_nodes: int = 0
+    max_restarts: int = 3
+    elastic: bool = False
+    srun_args: tuple[str, ...] = ()
+
+
+def say(message: str) -> None:
+    """One decision line, on the job's output (stderr, whole, flushed)."""
+    os.write(2, f"hpc supervise: {message}\n".encode(errors="replace"))
+
+
+def _run(argv: Sequence[str], timeout: float = 30) -> str:
+    try:
+        return subprocess.run(list(argv), capture_output=True, text=True,
+                              timeout=timeout).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def allocation(environ: Mapping[str, str]) -> list[str]:
+    """The job's hosts in Slurm's order (``scontrol show hostnames``)."""
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
+    return _run(["scontrol", "show", "hostnames", nodelist]).split() if nodelist else []
+
+
+def tasks_per_node(environ: Mapping[str, str]) -> int:
+    """``SLURM_NTASKS_PER_NODE``, else the first count of ``SLURM_TASKS_PER_NODE``."""
+    text = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
+    return int(text.split("(")[0].split(",")[0] or 1)
+
+
+def node_states(hosts: Sequence[str]) -> dict[str, str]:
+    """Host -> its Slurm state (``sinfo -N -o '%N %T'``; ``*`` when not responding)."""
+    if not hosts:
+        return {}
+    out = _run(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %T"], timeout=10)
+    states = {}
+    for line in out.splitlines():
+        name, _, state = line.strip().partition(" ")
+        if name in hosts:
+            states[name] = state.strip()
+    return states
+
+
+def _addresses(hosts: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for h in hosts:
+        try:
+            out[h] = socket.gethostbyname(h)
+        except OSError:
+            pass
+    return out
+
+
+def _marks(directory: Path) -> dict[int, Mark]:
+    out = {}
+    for rank in sorted(failure._marked(str(directory))):
+        mark = failure.read_mark(str(directory), rank)
+        if mark is not None:
+            out[rank] = Mark(mark[0], mark[1], failure._origin(str(directory), rank)[0])
+    return out
+
+
+class Attempt:
+    """One srun of the command on ``hosts``: started, watched, its evidence gathered."""
+
+    def __init__(self, opts: Options, hosts: Sequence[str], per_node: int,
+                 error_dir: Path, env: Mapping[str, str]) -> None:
+        self.hosts = list(hosts)
+        self.error_dir = error_dir
+        self.name = f"hpc-attempt-{uuid.uuid4().hex[:8]}"
+        self.lines: list[str] = []
+        self.lost: dict[str, str] = {}
+        n = len(hosts)
+        self.argv = ["srun", "--label", "--kill-on-bad-exit=1", f"--job-name={self.name}",
+                     f"--nodes={n}", f"--ntasks={n * per_node}",
+                     f"--ntasks-per-node={per_node}", f"--nodelist={','.join(hosts)}",
+                     *opts.srun_args, *opts.command]
+        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True,
+                                     env=dict(env), errors="replace")
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def _failing_since(self) -> Optional[float]:
+        if any("srun: error:" in line for line in self.lines):
+            return time.monotonic()
+        return time.monotonic() if failure._marked(str(self.error_dir)) else None
+
+    def wait(self) -> int:
+        """srun's exit status; ends the step when a host is lost or srun lingers."""
+        settle_from: Optional[float] = None
+        while True:
+            try:
+                return self._finish(self.proc.wait(timeout=POLL_S))
+            except subprocess.TimeoutExpired:
+                pass
+            states = node_states(self.hosts)
+            lost = {h: s for h, s in states.items() if gone(s)}
+            if lost:
+                self.lost = lost
+                say(f"{', '.join(f'{h} is {s}' for h, s in lost.items())} in Slurm: "
+                    "ending the attempt")
+                return self._finish(self.cancel())
+            if settle_from is None:
+                settle_from = self._failing_since()
+            elif time.monotonic() - settle_from > SETTLE_S:
+                say(f"a rank failed and srun had not ended the step {SETTLE_S:g} s later: "
+                    "cancelling it")
+                return self._finish(self.cancel())
+
+    def _finish(self, code: int) -> int:
+        self._reader.join(timeout=5)
+        return code
+
+    def _step_ids(self, environ: Mapping[str, str]) -> list[str]:
+        job = environ.get("SLURM_JOB_ID", "")
+        out = _run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], timeout=10)
+        return [i for i, _, n in (line.partition(" ") for line in out.splitlines())
+                if n.strip() == self.name]
+
+    def cancel(self) -> int:
+        """Cancel the step (``scancel --signal=KILL JOB.STEP``), then srun; -9."""
+        for step in self._step_ids(os.environ):
+            _run(["scancel", "--signal=KILL", step], timeout=10)
+        try:
+            self.proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return -9
+
+    def evidence(self, code: int) -> Evidence:
+        states = node_states(self.hosts)
+        states.update(self.lost)
+        return Evidence(code, failure.srun_exits(self.lines), _marks(self.error_dir),
+                        tuple(self.hosts), states, _addresses(self.hosts))
+
+
+def _attempt_env(base: Mapping[str, str], error_dir: Path, progress: Path,
+                 attempt: int) -> dict[str, str]:
+    env = {**base, "HPC_ERROR_DIR": str(error_dir), "HPC_PROGRESS_FILE": str(progress),
+           "HPC_ATTEMPT": str(attempt)}
+    if attempt > 0:
+        env.pop("HPC_FAULT", None)
+    return env
+
+
+def _restart_line(verdict: Verdict, decision: plans.Decision, step: Optional[int],
+                  attempt: int) -> str:
+    s = decision.state
+    head = f"attempt {attempt} failed: {verdict.evidence} -> {verdict.kind}"
+    if decision.action == plans.RELAUNCH:
+        out = f" ({', '.join(verdict.culprits)} excluded)" if verdict.culprits else ""
+        start = f"from step {step}" if step is not None else "from the start (no checkpoint)"
+        return (f"{head}{out}; relaunching on {','.join(decision.hosts)} {start} (budget "
+                f"{s.spent} of {s.max_restarts} spent)")
+    return f"{head}; {decision.why}"
+
+
+def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int:
+    """Run ``opts.command`` under supervision; the exit status the job should end with."""
+    env = dict(os.environ if environ is None else environ)
+    hosts = allocation(env)
+    nodes = len(hosts) - opts.spare_nodes
+    if not hosts or nodes < 1:
+        say(f"cannot supervise: allocation {hosts or '(none)'} with {opts.spare_nodes} spare "
+            "nodes leaves no host to run on.\nHINT: run inside an sbatch allocation of more "
+            "nodes than --spare-nodes.")
+        return 2
+    base = Path(env.get("HPC_ERROR_DIR") or Path(env.get("HPC_LOG_DIR", ".")) / "failures")
+    progress = base.parent / "progress.json"
+    state = plans.State(tuple(hosts), nodes, opts.max_restarts, opts.elastic)
+    per_node = tasks_per_node(env)
+    say(f"{nodes} of {len(hosts)} hosts, {per_node} tasks each"
+        + (f"; spares {','.join(hosts[nodes:])}" if opts.spare_nodes else "")
+        + f"; up to {opts.max_restarts} restarts")
+    attempt, run_on = 0, state.hosts()
+    previous_sigs = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM,
+                                                                   signal.SIGUSR2)}
+    try:
+        while True:
+            error_dir = base if attempt == 0 else base.with_name(f"{base.name}.{attempt}")
+            error_dir.mkdir(parents=True, exist_ok=True)
+            before = read_progress(progress)
+            run = Attempt(opts, run_on, per_node, error_dir,
+                          _attempt_env(env, error_dir, progress, attempt))
+            code = run.wait()
+            verdict = classify(run.evidence(code))
+            if not verdict.restartable:
+                if verdict.kind not in ("completed", "requeued"):
+                    say(f"attempt {attempt} failed: {verdict.evidence} -> {verdict.kind} "
+                        "failure: no restart")
+                return code if code >= 0 else 1
+            now = read_progress(progress)
+            progressed = now is not None and (before is None or now.step > before.step)
+            step = now.step if now else None
+            decision = plans.decide(state, verdict, progressed, step)
+            say(_restart_line(verdict, decision, step, attempt))
+            _strike(verdict, env)
+            state = decision.state
+            if decision.action == plans.RELAUNCH:
+                attempt, run_on = attempt + 1, list(decision.hosts)
+                continue
+            if decision.action == plans.REQUEUE:
+                return _requeue(state, env)
+            return code if code > 0 else 1
+    finally:
+        for s, h in previous_sigs.items():
+            signal.signal(s, h)
+
+
+def _strike(verdict: Verdict, env: Mapping[str, str]) -> None:
+    if verdict.culprits:
+        from hpc import ledger
+
+        ledger.strike(verdict.culprits, verdict.evidence, "supervise", env)
+
+
+def _requeue(state: plans.State, env: Mapping[str, str]) -> int:
+    """Requeue the job without the excluded hosts; 75 when it is requeued, else 1."""
+    from hpc.preempt.requeue import _scontrol_requeue, exclude_bad_nodes, read_budget
+
+    job = env.get("SLURM_JOB_ID", "")
+    budget = read_budget(env)
+    if not budget.left:
+        say(f"not requeueing: SLURM_RESTART_COUNT={budget.restarts} reached "
+            f"HPC_MAX_REQUEUES={budget.max_requeues}")
+        return 1
+    error, _ = _scontrol_requeue(job, env)
+    if error is not None:
+        say(f"`scontrol requeue {job}` failed: {error}")
+        return 1
+    said = exclude_bad_nodes(job, state.excluded)
+    say(f"requeued job {job}" + (f"; {said}" if said else ""))
+    return 75

@@ -1,0 +1,185 @@
+"""Why a supervised step failed: the host's fault (restart without it) or the program's.
+
+Pure: :func:`classify` reads the evidence ``hpc supervise`` gathered after the step
+ended (srun's exit lines, the ranks' failure marks, the Slurm state of the step's nodes)
+and returns a :class:`Verdict`. The rules, in order; the first that applies decides:
+
+1. exit status 0: ``completed``; 75 (every rank's agreed exit after a requeue):
+   ``requeued``; both end the supervision as they are.
+2. a host of the step is DOWN, failed or not responding (``sinfo``: ``down*``,
+   ``idle*``, ``fail``): **infrastructure**, that host.
+3. ranks that srun saw ``Killed`` (or dead of another signal) before it cancelled the
+   step, and that wrote no failure mark: a process that never ran Python's exit (SIGKILL
+   from outside, the node's crash): **infrastructure**, their host(s). A rank of ours that
+   fails writes a mark first; srun's ``Terminated`` lines after its ``Terminating StepId``
+   are the cancellation it did itself, never evidence.
+4. the watchdog's marks: ranks that "never entered" a collective the others waited in,
+   **all on one host** of several: **infrastructure**, that host (a frozen or cut-off
+   node); stuck ranks on several hosts are the program's own hang.
+5. the first failure by the marks (:func:`hpc.watchdog.failure.first_failure`) is a rank
+   that lost a peer ("Connection closed by peer", "Connection reset", a gloo/NCCL
+   timeout): **infrastructure**, the host the message names when it names one of the
+   step's hosts (by name or address), else no culprit (relaunch on the same hosts).
+6. anything else (a Python exception, a non-zero ``sys.exit``, srun's "Exited with exit
+   code"): **application**: no restart.
+
+The supervisor adds one more (:mod:`hpc.supervise.plan`): the same infrastructure verdict
+twice at the same checkpoint step is the program's (it fails where it is, not where it
+runs).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hpc.errors import EXIT_REQUEUED
+from hpc.watchdog.failure import GENERIC_MESSAGE, SrunExit
+
+__all__ = ["Evidence", "Mark", "Verdict", "classify", "COMPLETED", "REQUEUED",
+           "INFRASTRUCTURE", "APPLICATION"]
+
+COMPLETED, REQUEUED, INFRASTRUCTURE, APPLICATION = (
+    "completed", "requeued", "infrastructure", "application")
+
+#: Slurm node states (sinfo %T) that mean the host is gone; ``*`` = not responding.
+_GONE = ("down", "fail", "failing", "unknown", "future", "power_down", "powering_down")
+#: What a rank says when it only lost a peer (its own code is not at fault).
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+                        r"[Cc]onnection refused|Socket Timeout|timed out|[Tt]imeout|"
+                        r"NCCL communicator was aborted|ProcessGroupGloo.*(?:failed|error)",
+                        re.S)
+_ADDRESS = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?")
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One rank's failure mark (:mod:`hpc.watchdog.failure`)."""
+
+    time: float
+    message: str
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the supervisor saw of one attempt.
+
+    Attributes:
+        returncode: srun's exit status (``-9`` when the supervisor had to kill it).
+        exits: srun's task error lines, in its order.
+        marks: Rank -> its failure mark.
+        hosts: The step's hosts, in rank order.
+        states: Host -> its Slurm state (``sinfo -o %T``), for the step's hosts.
+        addresses: Host -> its IP address (to read "peer [10.0.0.3]" messages).
+    """
+
+    returncode: int
+    exits: Sequence[SrunExit] = ()
+    marks: Mapping[int, Mark] = field(default_factory=dict)
+    hosts: Sequence[str] = ()
+    states: Mapping[str, str] = field(default_factory=dict)
+    addresses: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decision's input: what failed, whose fault, the evidence in words."""
+
+    kind: str
+    culprits: tuple[str, ...] = ()
+    evidence: str = ""
+
+    @property
+    def restartable(self) -> bool:
+        return self.kind == INFRASTRUCTURE
+
+
+def gone(state: str) -> bool:
+    """True for a Slurm node state that means the host is lost to the job."""
+    s = state.lower()
+    return s.endswith("*") or s.rstrip("*~#$@^-+").split("+")[0] in _GONE
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    from hpc.watchdog.failure import _compact
+
+    return ("rank " if len(ranks) == 1 else "ranks ") + _compact(sorted(ranks))
+
+
+def _signal_deaths(e: Evidence) -> dict[str, list[int]]:
+    """Host -> ranks srun saw die of a signal before it cancelled, without a mark."""
+    out: dict[str, list[int]] = {}
+    for x in e.exits:
+        if x.after_cancel or x.what.startswith("Exited with exit code"):
+            continue
+        dead = [r for r in x.ranks if r not in e.marks]
+        if dead:
+            out.setdefault(x.host, []).extend(dead)
+    return out
+
+
+def _stuck(e: Evidence) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for rank, m in e.marks.items():
+        if "never entered" in m.message and m.host:
+            out.setdefault(m.host, []).append(rank)
+    return out
+
+
+def _peer_host(message: str, e: Evidence) -> Optional[str]:
+    by_address = {a: h for h, a in e.addresses.items()}
+    for m in _ADDRESS.finditer(message):
+        if m[1] in by_address:
+            return by_address[m[1]]
+    return next((h for h in e.hosts if re.search(rf"\b{re.escape(h)}\b", message)), None)
+
+
+def _first_mark(e: Evidence) -> Optional[tuple[int, Mark]]:
+    said = [(m.time, r, m) for r, m in e.marks.items() if m.message != GENERIC_MESSAGE]
+    return (min(said)[1], min(said)[2]) if said else None
+
+
+def classify(e: Evidence) -> Verdict:
+    """The :class:`Verdict` of one attempt (rules in the module's docstring)."""
+    if e.returncode == 0:
+        return Verdict(COMPLETED)
+    if e.returncode == EXIT_REQUEUED:
+        return Verdict(REQUEUED, evidence="the ranks requeued the job (exit 75)")
+    lost = [h for h in dict.fromkeys(e.hosts) if gone(e.states.get(h, ""))]
+    if lost:
+        return Verdict(INFRASTRUCTURE, tuple(lost), "; ".join(
+            f"{h}: Slurm state {e.states[h]} (node unreachable)" for h in lost))
+    killed = _signal_deaths(e)
+    if killed:
+        what = {x.host: x.what for x in e.exits if x.host in killed and not x.after_cancel}
+        return Verdict(INFRASTRUCTURE, tuple(killed), "; ".join(
+            f"{h}: {_ranks(r)} {what[h]} by a signal, no failure mark" for h, r in killed.items()))
+    stuck = _stuck(e)
+    if len(stuck) == 1 and len(set(e.hosts)) > 1:
+        (host, ranks), = stuck.items()
+        return Verdict(INFRASTRUCTURE, (host,),
+                       f"{host}: {_ranks(ranks)} never entered a collective the others "
+                       "waited in (frozen or cut off)")
+    first = _first_mark(e)
+    if first is not None and not stuck and _PEER_LOST.search(first[1].message):
+        rank, mark = first
+        peer = _peer_host(mark.message, e)
+        line = mark.message.strip().splitlines()[-1][:200]
+        if peer is not None and peer != mark.host:
+            return Verdict(INFRASTRUCTURE, (peer,),
+                           f"{peer}: its peers lost it (rank {rank} on {mark.host}: {line})")
+        return Verdict(INFRASTRUCTURE, (), f"rank {rank} on {mark.host or '?'} lost a peer, "
+                       f"none named: {line}")
+    if first is not None:
+        rank, mark = first
+        line = mark.message.strip().splitlines()[-1][:300]
+        where = f" on {mark.host}" if mark.host else ""
+        return Verdict(APPLICATION, (), f"rank {rank}{where}: {line}")
+    exited = next((x for x in e.exits if not x.after_cancel), None)
+    if exited is not None:
+        return Verdict(APPLICATION, (), f"{_ranks(exited.ranks)} on {exited.host}: {exited.what}")
+    return Verdict(APPLICATION, (), f"the step exited with status {e.returncode} and left no "
+                   "failure mark")
