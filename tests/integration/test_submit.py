@@ -158,18 +158,41 @@ def documented_sacct(test: str) -> tuple[str, list[str]]:
     return m.group(1), m.group(2).splitlines()
 
 
+#: How the batch step of a requeued run may end: the shell's own ``exit 75`` after the step,
+#: or Slurm's signal when the requeue takes effect first (SIGTERM, then SIGKILL once
+#: KillWait, 5 s on the test cluster, has passed while the ranks were still exiting).
+#: Which one wins is a race inside Slurm, not something the template decides.
+REQUEUED_BATCH_ENDS = ("FAILED|75:0", "CANCELLED|0:15", "CANCELLED|0:9")
+
+
+def _requeued_batch_as_one(rows: list[str]) -> list[str]:
+    """``rows`` with the batch step of each REQUEUED run's ending written as one word."""
+    out, requeued = [], False
+    for row in rows:
+        job, _, rest = row.partition("|")
+        if "." not in job:
+            requeued = rest.startswith("REQUEUED|")
+        elif requeued and job.endswith(".batch") and rest in REQUEUED_BATCH_ENDS:
+            row = f"{job}|(ended by the requeue)"
+        out.append(row)
+    return out
+
+
 def assert_sacct_as_documented(job_id: str, test: str) -> None:
-    """The job's runs and steps are what docs/submit.md shows (job id aside)."""
+    """The job's runs and steps are what docs/submit.md shows (job id aside; the batch
+    step of a requeued run in any of :data:`REQUEUED_BATCH_ENDS`)."""
     doc_id, rows = documented_sacct(test)
-    expected = [re.sub(rf"^{doc_id}(?=[.|])", job_id, r) for r in rows]
+    expected = _requeued_batch_as_one(
+        [re.sub(rf"^{doc_id}(?=[.|])", job_id, r) for r in rows])
     cmd = ["sacct", "-j", job_id, "-D", "-P", "-o", "JobID,State,ExitCode"]
     for _ in range(15):  # slurmdbd records the last steps a little after the job ends
         real = subprocess.run(cmd, check=False, capture_output=True, text=True,
                               timeout=30).stdout.splitlines()
-        if real == expected:
+        if _requeued_batch_as_one(real) == expected:
             return
         time.sleep(1)
-    assert real == expected, f"docs/submit.md shows {rows}, sacct printed {real}"
+    assert _requeued_batch_as_one(real) == expected, \
+        f"docs/submit.md shows {rows}, sacct printed {real}"
 
 
 @pytest.mark.timeout(330)
