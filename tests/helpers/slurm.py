@@ -87,32 +87,61 @@ def slurm_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: ``scontrol`` job states after which a job runs no more. A requeued job is PENDING
+#: again, not ended (``sbatch --wait`` waits on through requeues too).
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                   "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+#: Seconds between two looks at a job that sbatch_wait waits for.
+POLL_S = 0.5
+
+
+def job_ended(job_id: str) -> tuple[str, int] | None:
+    """``(state, exit status)`` of a job that has ended, None while it may still run.
+
+    The exit status is what ``sbatch --wait`` returns: the batch script's exit code, 1 when
+    a signal ended it. Read from ``scontrol`` (slurmctld, at once); from ``sacct`` when the
+    controller has forgotten the job."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                         text=True, timeout=20).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    state, code = fields.get("JobState"), fields.get("ExitCode", "")
+    if state is None:  # purged (MinJobAge): the accounting record
+        rows = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o",
+                               "State,ExitCode"], capture_output=True, text=True,
+                              timeout=30).stdout.split()
+        if not rows:
+            return None
+        state, _, code = rows[-1].partition("|")
+        state = state.split()[0]
+    if state not in ENDED:
+        return None
+    exit_code, _, sig = code.partition(":")
+    return state, (1 if sig not in ("", "0") else int(exit_code or 0))
+
+
 def sbatch_wait(args: Sequence[str], workdir: Path, *, timeout: float = 240,
                 env: dict[str, str] | None = None) -> tuple[int, int, str]:
-    """``sbatch --wait ARGS`` from ``workdir``; returns (job id, exit code, output file text).
+    """Like ``sbatch --wait ARGS`` from ``workdir``: (job id, exit code, output file text).
 
+    Polls the job every :data:`POLL_S` seconds: ``sbatch --wait`` sleeps 2 s, then 8 s,
+    then 32 s between its looks (Slurm's ``_job_wait``), so a 12 s job cost a test 42 s.
     The job's output goes to ``workdir/slurm-<id>.out`` unless ARGS set ``--output``.
-    On a timeout the job is cancelled before the error propagates.
+    On a timeout the job is cancelled and :class:`subprocess.TimeoutExpired` raised.
     """
-    proc = subprocess.Popen(["sbatch", "--wait", "--parsable", *args], cwd=workdir,
-                            env=env or slurm_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    job_id = ""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        job_id = out.strip().split(";")[0]
-        if job_id:
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=workdir,
+                          env=env or slurm_env(), capture_output=True, text=True, timeout=30)
+    job_id = proc.stdout.strip().split(";")[0].splitlines()[0] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or not job_id.isdigit():
+        raise RuntimeError(f"sbatch failed (rc {proc.returncode}): {proc.stderr}")
+    deadline = time.monotonic() + timeout
+    while (ended := job_ended(job_id)) is None:
+        if time.monotonic() > deadline:
             subprocess.run(["scancel", job_id], check=False, timeout=20)
-        raise
-    job_id = out.strip().split(";")[0].splitlines()[0] if out.strip() else ""
-    if not job_id.isdigit():
-        raise RuntimeError(f"sbatch failed (rc {proc.returncode}): {err}")
+            raise subprocess.TimeoutExpired(["sbatch", "--wait", *args], timeout)
+        time.sleep(POLL_S)
     outputs = sorted(workdir.glob(f"*{job_id}*.out"))
     text = "\n".join(p.read_text(errors="replace") for p in outputs)
-    return int(job_id), proc.returncode, text
+    return int(job_id), ended[1], text
 
 
 def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
@@ -126,7 +155,7 @@ def run(argv: Sequence[str], name: str, tmp: Path, env: dict[str, str],
 
 def sbatch(args: Sequence[str], name: str, tmp: Path, env: dict[str, str] | None = None,
            timeout: float = 100) -> tuple[int, int, str]:
-    """``sbatch --wait`` ARGS as job ``name`` under :data:`LIMIT`, run from and writing its
+    """sbatch_wait(ARGS) as job ``name`` under :data:`LIMIT`, run from and writing its
     output to ``tmp``: (job id, exit code, output)."""
     return sbatch_wait([f"--job-name={name}", LIMIT, f"--chdir={tmp}",
                         f"--output={tmp}/%x-%j.out", *args], tmp,

@@ -55,13 +55,10 @@ TEMPLATE = str(ROOT / "slurm" / "pretrain.sbatch")
 
 @pytest.mark.timeout(420)
 def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
-        preemption_partitions: None, tmp_path: Path, cancel_after: list[str]) -> None:
+        preemption_partitions: None, tiny_reference: Path, tmp_path: Path,
+        cancel_after: list[str]) -> None:
     env = slurm_env(**ENV)
-    ref = tmp_path / "reference"
-    ref_id, rc, text = sbatch_wait(["-p", "debug", TEMPLATE, *TINY_ARGS, "--out", str(ref)],
-                                   tmp_path, timeout=180, env=env)
-    assert rc == 0, text[-3000:]
-    assert_no_failure_marks(tmp_path / "hpc-logs" / str(ref_id))  # a clean run: none
+    ref = tiny_reference
 
     # Run 0 sees no scontrol (PATH = the venv's bin only); later runs see the normal PATH.
     venv_bin = str(Path(sys.executable).parent)

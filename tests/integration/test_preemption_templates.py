@@ -28,9 +28,9 @@ import pytest
 
 from hpc.submit import watch as jobwatch
 from tests.helpers.paths import ROOT
-from tests.helpers.preemption import assert_no_failure_marks, preempt, sacct_history
+from tests.helpers.preemption import preempt, sacct_history
 from tests.helpers.requires import require
-from tests.helpers.slurm import sbatch_nowait, sbatch_wait, slurm_env, until
+from tests.helpers.slurm import sbatch_nowait, slurm_env, until
 from tests.helpers.step_hooks import slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
@@ -49,23 +49,10 @@ CASES = {"torchrun": ("torchrun.sbatch", "hpc-torchrun", None),
          "mpirun": ("mpirun.sbatch", "hpc-mpirun", "mpirun.openmpi")}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of the same tiny pretrain on 4 ranks."""
-    base = tmp_path_factory.mktemp("reference")
-    ref = base / "run"
-    env = slurm_env(**ENV)
-    ref_id, rc, text = sbatch_wait(["-p", "debug", str(ROOT / "slurm" / "pretrain.sbatch"),
-                                    *TINY_ARGS, "--out", str(ref)], base, timeout=180, env=env)
-    assert rc == 0, text[-3000:]
-    assert_no_failure_marks(base / "hpc-logs" / str(ref_id))  # a clean run leaves none
-    return ref
-
-
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("case", list(CASES))
 def test_template_survives_sigterm_preemption_and_resumes_exactly(
-        case: str, preemption_partitions: None, reference: Path, tmp_path: Path,
+        case: str, preemption_partitions: None, tiny_reference: Path, tmp_path: Path,
         cancel_after: list[str]) -> None:
     template, name, mpirun = CASES[case]
     job_env = slurm_env(**ENV, **slowed(0.5, runs=1))
@@ -98,5 +85,5 @@ def test_template_survives_sigterm_preemption_and_resumes_exactly(
     assert "Restarts=1" in shown, shown
     assert jobwatch.current(urgent).word == "COMPLETED", history
     assert_each_step_once(out)
-    assert_same_final_weights(out, reference)
+    assert_same_final_weights(out, tiny_reference)
     assert STEPS == max(train_steps(out))
