@@ -103,9 +103,12 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
     try:
         result = stage(cfg, stop_requested=stop.guard)  # agreed inside the loop
     except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
+        from hpc.watchdog.failure import mark_exception
+
         logger.error("%s", e)
         logger.debug("%s failed", command, exc_info=True)
-        return _failing(type(e).__name__)
+        mark_exception(e)  # the rank's mark says what failed (hpc first-failure, supervise)
+        return 1
     position, limit, checkpoint = progress(result, cfg)
     if stopped_by_request(result.status, position, limit):
         code = stop.exit_code(position, checkpoint, stopped=True)

@@ -9,12 +9,14 @@ and returns a :class:`Verdict`. The rules, in order; the first that applies deci
 2. a host of the step is DOWN, failed or not responding (``sinfo``: ``down*``,
    ``idle*``, ``fail``): **infrastructure**, that host.
 3. ranks that srun saw ``Killed`` (or dead of another signal) before it cancelled the
-   step, and that wrote no failure mark: a process that never ran Python's exit (SIGKILL
+   step, and that wrote no failure mark of their own (a peer's watchdog report naming
+   them as stuck is not theirs): a process that never ran Python's exit (SIGKILL
    from outside, the node's crash): **infrastructure**, their host(s). A rank of ours that
    fails writes a mark first; srun's ``Terminated`` lines after its ``Terminating StepId``
    are the cancellation it did itself, never evidence.
-4. the watchdog's marks: ranks that "never entered" a collective the others waited in,
-   **all on one host** of several: **infrastructure**, that host (a frozen or cut-off
+4. the watchdog's marks: ranks its reports name as having "never entered" a collective
+   the others waited in (whichever rank's mark carries the report), **all on one host**
+   of several: **infrastructure**, that host (a frozen or cut-off
    node); stuck ranks on several hosts are the program's own hang.
 5. the first failure by the marks (:func:`hpc.watchdog.failure.first_failure`) is a rank
    that lost a peer ("Connection closed by peer", "Connection reset", a gloo/NCCL
@@ -51,6 +53,8 @@ _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Bro
                         r"[Cc]onnection refused|Socket Timeout|timed out|[Tt]imeout|"
                         r"NCCL communicator was aborted|ProcessGroupGloo.*(?:failed|error)",
                         re.S)
+#: The watchdog's words for a stuck rank: ``rank 2 (node2, pid 41) never entered``.
+_STUCK = re.compile(r"\brank (\d+)(?: \(([^,()\s]+), pid \d+\))? never entered")
 _ADDRESS = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?")
 
 
@@ -109,23 +113,38 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + _compact(sorted(ranks))
 
 
-def _signal_deaths(e: Evidence) -> dict[str, list[int]]:
-    """Host -> ranks srun saw die of a signal before it cancelled, without a mark."""
+def _signal_deaths(e: Evidence, stuck: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    """Host -> ranks srun saw die of a signal before it cancelled, without a mark of their
+    own (the watchdog's report that names a rank as stuck is its peers' word, not its)."""
+    reported = {r for ranks in stuck.values() for r in ranks}
     out: dict[str, list[int]] = {}
     for x in e.exits:
         if x.after_cancel or x.what.startswith("Exited with exit code"):
             continue
-        dead = [r for r in x.ranks if r not in e.marks]
+        dead = [r for r in x.ranks if r not in e.marks or r in reported]
         if dead:
             out.setdefault(x.host, []).extend(dead)
     return out
 
 
 def _stuck(e: Evidence) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
+    """Host -> the ranks the watchdog's reports name as never having entered a collective
+    (``rank 2 (node2, pid 41) never entered ...``), in any rank's mark: the waiters' marks
+    repeat the reporter's sentence, so only the ranks it names count, not the markers."""
+    named: dict[int, str] = {}
     for rank, m in e.marks.items():
-        if "never entered" in m.message and m.host:
-            out.setdefault(m.host, []).append(rank)
+        for s in _STUCK.finditer(m.message):
+            r, host = int(s[1]), s[2] or (m.host if int(s[1]) == rank else "")
+            if host:
+                named.setdefault(r, host)
+    out: dict[str, list[int]] = {}
+    for r, host in sorted(named.items()):
+        own = e.marks.get(r)
+        # A named rank that marked its own failure first (an exception, an exit) failed
+        # in its code; the others only saw it gone. Its mark names it stuck when the
+        # reporter wrote it for a rank that could not (killed, frozen).
+        if own is None or any(int(s[1]) == r for s in _STUCK.finditer(own.message)):
+            out.setdefault(host, []).append(r)
     return out
 
 
@@ -152,12 +171,12 @@ def classify(e: Evidence) -> Verdict:
     if lost:
         return Verdict(INFRASTRUCTURE, tuple(lost), "; ".join(
             f"{h}: Slurm state {e.states[h]} (node unreachable)" for h in lost))
-    killed = _signal_deaths(e)
+    stuck = _stuck(e)
+    killed = _signal_deaths(e, stuck)
     if killed:
         what = {x.host: x.what for x in e.exits if x.host in killed and not x.after_cancel}
         return Verdict(INFRASTRUCTURE, tuple(killed), "; ".join(
             f"{h}: {_ranks(r)} {what[h]} by a signal, no failure mark" for h, r in killed.items()))
-    stuck = _stuck(e)
     if len(stuck) == 1 and len(set(e.hosts)) > 1:
         (host, ranks), = stuck.items()
         return Verdict(INFRASTRUCTURE, (host,),
@@ -173,9 +192,9 @@ def classify(e: Evidence) -> Verdict:
                            f"{peer}: its peers lost it (rank {rank} on {mark.host}: {line})")
         return Verdict(INFRASTRUCTURE, (), f"rank {rank} on {mark.host or '?'} lost a peer, "
                        f"none named: {line}")
-    if first is not None:
+    if first is not None:  # "ValueError: what went wrong" (fact, then cause and HINT)
         rank, mark = first
-        line = mark.message.strip().splitlines()[-1][:300]
+        line = mark.message.strip().splitlines()[0][:300]
         where = f" on {mark.host}" if mark.host else ""
         return Verdict(APPLICATION, (), f"rank {rank}{where}: {line}")
     exited = next((x for x in e.exits if not x.after_cancel), None)

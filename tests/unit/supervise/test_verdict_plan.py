@@ -79,3 +79,60 @@ def test_an_application_failure_is_never_restarted() -> None:
     v = classify(Evidence(1, _lines("srun: error: node1: task 0: Exited with exit code 1")))
     d = plan.decide(plan.State(("node1", "node2"), 1), v, progressed=True, step=5)
     assert v.kind == APPLICATION and d.action == plan.END
+
+
+#: The marks of a real run (the 4-node cluster, HPC_FAULT=2:7:kill,3:7:kill): node2's ranks
+#: SIGKILLed themselves; rank 1's watchdog reported them and marked them with its report,
+#: rank 0 repeated it in its own mark. Classified "application" before the report's
+#: named ranks were told from the ranks that wrote it.
+_REPORT = ("all_reduce #53 failed (reported by rank 1): rank 2 (node2, pid 21320) never "
+           "entered it; rank 3 (node2, pid 21321) never entered it.")
+_KILLED_NODE2 = {
+    2: Mark(100.0, _REPORT, "node2"), 3: Mark(100.1, _REPORT, "node2"),
+    1: Mark(103.0, _REPORT, "node1"),
+    0: Mark(103.1, f"all_reduce #53 failed on rank 0 (node1, pid 21317); rank 1 reported: "
+            f"{_REPORT}", "node1")}
+
+
+def test_a_crash_reported_by_the_watchdog_blames_the_crashed_host() -> None:
+    e = Evidence(-9, _lines("srun: error: node2: tasks 2-3: Killed",
+                            "srun: launch/slurm: _step_signal: Terminating StepId=9.0",
+                            "srun: error: node1: tasks 0-1: Killed"),
+                 _KILLED_NODE2, ("node1", "node2"))
+    v = classify(e)
+    assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node2",)), v
+    assert "ranks 2-3 Killed by a signal" in v.evidence
+
+
+def test_the_watchdog_report_alone_blames_the_named_host_not_the_waiters() -> None:
+    e = Evidence(1, _lines("srun: error: node1: tasks 0-1: Exited with exit code 1"),
+                 _KILLED_NODE2, ("node1", "node2"))
+    v = classify(e)
+    assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node2",)), v
+    assert "ranks 2-3 never entered" in v.evidence
+
+
+def test_an_exception_names_its_first_line_the_fact() -> None:
+    marks = {2: Mark(1.0, "InjectedFault: HPC_FAULT 2:5:exc: injected on rank 2.\n"
+                     "HPC_FAULT asked for it.\nHINT: unset HPC_FAULT", "node2")}
+    v = classify(Evidence(1, _lines("srun: error: node2: task 2: Exited with exit code 1"),
+                          marks, ("node1", "node2")))
+    assert v.kind == APPLICATION
+    assert v.evidence == "rank 2 on node2: InjectedFault: HPC_FAULT 2:5:exc: injected on rank 2."
+
+
+def test_a_rank_that_raised_before_the_watchdog_named_it_is_the_programs() -> None:
+    """The real marks of HPC_FAULT=2:5:exc: rank 2's own exception first, then rank 1's
+    report that rank 2 never entered the next all_reduce."""
+    report = "all_reduce #38 failed (reported by rank 1): rank 2 (node2, pid 22640) never entered it."
+    marks = {2: Mark(13.3, "hpc.errors.InjectedFault: HPC_FAULT 2:5:exc: an exception "
+                     "injected on rank 2 at step 5.\nHINT: unset HPC_FAULT", "node2"),
+             1: Mark(16.8, f"hpc.errors.CollectiveError: {report}", "node1"),
+             3: Mark(16.8, f"hpc.errors.CollectiveError: all_reduce #38 failed on rank 3 "
+                     f"(node2, pid 22641); rank 1 reported: {report}", "node2")}
+    e = Evidence(-9, _lines("srun: error: node2: task 2: Exited with exit code 1",
+                            "srun: launch/slurm: _step_signal: Terminating StepId=13.0",
+                            "srun: error: node1: tasks 0-1: Killed"), marks, ("node1", "node2"))
+    v = classify(e)
+    assert v.kind == APPLICATION and v.culprits == (), v
+    assert v.evidence.startswith("rank 2 on node2: hpc.errors.InjectedFault: HPC_FAULT 2:5:exc")
