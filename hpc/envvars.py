@@ -238,6 +238,10 @@ VARIABLES: dict[str, Variable] = _table(
              "set by hpc supervise: hpc.save_checkpoint records the step and path of each "
              "checkpoint there (global master), so the supervisor knows where a restart "
              "resumes and whether an attempt made progress"),
+    Variable("HPC_SUPERVISE", _choice("0", "1"), "1 or 0", "0", "0",
+             "slurm/pretrain.sbatch: 1 runs the step under hpc supervise, which restarts it "
+             "inside the allocation without a host that failed (HPC_SPARE_NODES > 0 implies "
+             "it); submit with --no-kill"),
     Variable("HPC_SPARE_NODES", _count, "a count of nodes", 0, "0",
              "hpc supervise (the sbatch templates): nodes of the allocation held back as spares; "
              "the step runs on the others and a restart takes a spare in place of a host "

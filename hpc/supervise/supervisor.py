@@ -13,8 +13,8 @@ with the evidence and the decision. A relaunch resumes from the newest checkpoin
 ranks reported (``HPC_PROGRESS_FILE``): the command must resume by itself, as ``hpc
 pretrain`` does from its run directory and a script with :func:`hpc.restore_checkpoint`.
 
-``HPC_FAULT`` (:mod:`hpc.health.fault`) reaches the first attempt only: an injected crash
-is one crash, not one per attempt.
+``HPC_FAULT`` (:mod:`hpc.health.fault`) reaches the first attempt of the job's first run
+only: an injected crash is one crash, not one per attempt or requeue.
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def _attempt_env(base: Mapping[str, str], error_dir: Path, progress: Path,
                  attempt: int) -> dict[str, str]:
     env = {**base, "HPC_ERROR_DIR": str(error_dir), "HPC_PROGRESS_FILE": str(progress),
            "HPC_ATTEMPT": str(attempt)}
-    if attempt > 0:
-        env.pop("HPC_FAULT", None)
+    if attempt > 0 or base.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
+        env.pop("HPC_FAULT", None)  # an injected crash is one crash, requeues included
     return env
 
 

@@ -35,6 +35,7 @@ TYPOS = {
     "HPC_FAULT": "3:kill",
     "HPC_LEDGER_TTL": "24h",
     "HPC_TRACEBACK": "verbose",
+    "HPC_SUPERVISE": "yes",
     "HPC_SPARE_NODES": "one",
     "HPC_MAX_RESTARTS": "-1",
     "HPC_ATTEMPT": "first",
