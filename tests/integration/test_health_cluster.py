@@ -1,7 +1,7 @@
 """Stragglers and silent corruption named while ``hpc pretrain`` runs on the 4-node test
 cluster (2 ranks per node, 8 in all; ``hpc/health``):
 
-* node3's link shaped by ``tc`` (tbf, 1 Mbit/s out of its eth0) once step 60 is done:
+* node3's link shaped by ``tc`` (tbf, 20 Mbit/s out of its eth0) once step 60 is done:
   named as node3's slow link (sending) within 40 steps (two windows);
 * one rank of node3 really frozen 30 % of the time (SIGSTOP 60 ms / SIGCONT 140 ms, from
   this process) from step 60 on: that rank and node3 named within 40 steps;
@@ -38,6 +38,10 @@ def job() -> Iterator[str]:
     yield from job_on_four("hpct-health")
 
 
+def _shaped(added) -> None:
+    assert added.returncode == 0, added.stderr  # an unshaped link would name nobody
+
+
 def _assert_named_node3_after(run, what: str) -> None:
     assert run.triggered_at is not None, run.output[-3000:]
     assert run.returncode == 0, run.output[-3000:]
@@ -56,8 +60,9 @@ def test_a_slow_link_is_named_as_node3s(job: str, tmp_path: Path) -> None:
     require("tc", "iproute2's tc")
     tc_node3("del")  # a leftover of a killed run
     try:
-        run = pretrain_on_four(tmp_path / "run", job, slurm_env(), epochs=12, at=AT,
-                               trigger=lambda: tc_node3("add", *TBF))
+        # 10 epochs = 110 steps: the verdict is due by step AT + WITHIN = 100
+        run = pretrain_on_four(tmp_path / "run", job, slurm_env(), epochs=10, at=AT,
+                               trigger=lambda: _shaped(tc_node3("add", *TBF)))
     finally:
         tc_node3("del")
     _assert_named_node3_after(run, "slow link (sending)")
