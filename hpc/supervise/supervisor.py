@@ -38,13 +38,18 @@ from hpc.supervise.progress import read_progress
 from hpc.supervise.verdict import Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import failure
 
-__all__ = ["Options", "supervise", "SETTLE_S", "POLL_S"]
+__all__ = ["Options", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S"]
 
 logger = logging.getLogger(__name__)
 
 #: Once a rank failed, seconds srun gets to end the step before it is cancelled (a host
-#: that stopped answering keeps srun waiting for its tasks).
+#: that stopped answering keeps srun waiting for its tasks): time for the ranks' marks
+#: and the watchdog's report, which tell whose fault it was.
 SETTLE_S = 8.0
+#: The same once srun saw a task die of a signal: its line is the evidence already, and
+#: the survivors only wait in a collective (srun's SIGTERM stops them at a step boundary
+#: they never reach; SIGKILL follows after Slurm's KillWait, 30 s by default).
+KILLED_SETTLE_S = 2.0
 #: Seconds between two looks at the step's hosts in Slurm.
 POLL_S = 1.0
 
@@ -144,14 +149,19 @@ class Attempt:
             sys.stderr.write(line)
             sys.stderr.flush()
 
-    def _failing_since(self) -> Optional[float]:
-        if any("srun: error:" in line for line in self.lines):
-            return time.monotonic()
-        return time.monotonic() if failure._marked(str(self.error_dir)) else None
+    def _failing_since(self) -> Optional[tuple[float, float]]:
+        """(when, how long srun gets to end the step) once a rank failed, else None."""
+        exits = failure.srun_exits(self.lines)
+        if any(not x.after_cancel and not x.what.startswith("Exited with exit code")
+               for x in exits):
+            return time.monotonic(), KILLED_SETTLE_S
+        if exits or _marks(self.error_dir):  # a mark with a message, not an empty .fault
+            return time.monotonic(), SETTLE_S
+        return None
 
     def wait(self) -> int:
         """srun's exit status; ends the step when a host is lost or srun lingers."""
-        settle_from: Optional[float] = None
+        failing: Optional[tuple[float, float]] = None
         while True:
             try:
                 return self._finish(self.proc.wait(timeout=POLL_S))
@@ -164,10 +174,10 @@ class Attempt:
                 say(f"{', '.join(f'{h} is {s}' for h, s in lost.items())} in Slurm: "
                     "ending the attempt")
                 return self._finish(self.cancel())
-            if settle_from is None:
-                settle_from = self._failing_since()
-            elif time.monotonic() - settle_from > SETTLE_S:
-                say(f"a rank failed and srun had not ended the step {SETTLE_S:g} s later: "
+            if failing is None:
+                failing = self._failing_since()
+            elif time.monotonic() - failing[0] > failing[1]:
+                say(f"a rank failed and srun had not ended the step {failing[1]:g} s later: "
                     "cancelling it")
                 return self._finish(self.cancel())
 

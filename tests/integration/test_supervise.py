@@ -32,6 +32,7 @@ from hpc.ledger import Ledger
 from hpc.submit import watch as jobwatch
 from tests.helpers.paths import ROOT
 from tests.helpers.slurm import require_four, sbatch_nowait, sbatch_wait, slurm_env, until
+from tests.helpers.step_hooks import slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
     TINY_ARGS,
@@ -84,14 +85,17 @@ def _decisions(text: str) -> list[str]:
 def test_a_crashed_node_is_replaced_by_the_spare_and_the_run_ends_bitwise(
         tiny_reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    env = slurm_env(**ENV, HPC_SPARE_NODES="1", HPC_FAULT=CRASH_NODE2)
+    # 0.6 s a step: the relaunch runs ~10 s, past the supervisor's settle time (the empty
+    # faulthandler files of healthy ranks once counted as marks, and cancelled a healthy
+    # step 8 s after its ranks started)
+    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1", HPC_FAULT=CRASH_NODE2)
     job_id, rc, text = sbatch_wait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
                                     TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path,
                                    timeout=240, env=env)
     assert rc == 0, text[-4000:]
     assert "hpc supervise: 2 of 3 hosts, 2 tasks each; spares node3" in text, text[-4000:]
     decisions = _decisions(text)
-    assert len(decisions) == 1, text[-4000:]
+    assert len(decisions) == 1 and text.count("cancelling it") == 1, text[-4000:]
     assert re.search(r"attempt 0 failed: node2: ranks 2-3 .* -> infrastructure \(node2 "
                      r"excluded\); relaunching on node1,node3 from step 6 ", decisions[0]), \
         decisions
