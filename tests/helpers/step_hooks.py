@@ -11,6 +11,7 @@ sleeping does not change the results. :func:`slowed` gives the variables a job n
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from tests.helpers.paths import ROOT
@@ -32,3 +33,26 @@ def slowed(seconds: float, runs: int = 0) -> dict[str, str]:
     if runs:
         env["HPC_TEST_SLEEP_RUNS"] = str(runs)
     return env
+
+
+_polls = 0
+
+
+def kill_rank() -> None:
+    """SIGKILL this process at its ``HPC_TEST_KILL_AT``-th poll when it is global rank
+    ``HPC_TEST_KILL_RANK`` (``SLURM_PROCID``), in every attempt and run: a fault that follows
+    the rank wherever it runs, unlike ``HPC_FAULT``, which the supervisor gives the first
+    attempt only."""
+    global _polls
+    if os.environ.get("SLURM_PROCID") != os.environ.get("HPC_TEST_KILL_RANK"):
+        return
+    _polls += 1
+    if _polls >= int(os.environ.get("HPC_TEST_KILL_AT") or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killing(rank: int, at: int) -> dict[str, str]:
+    """Variables for a job whose rank ``rank`` SIGKILLs itself at its ``at``-th step poll."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {"HPC_STEP_HOOK": f"{__name__}:kill_rank", "HPC_TEST_KILL_RANK": str(rank),
+            "HPC_TEST_KILL_AT": str(at), "PYTHONPATH": path}

@@ -11,6 +11,9 @@ at step 7, after the checkpoint of step 6: the node "crashes", no rank writes a 
 * 2 nodes, no spare (``HPC_SUPERVISE=1``): the job is requeued with the crashed host (the
   second of its first run) in its ``ExcNodeList``; its second run lands on two other
   nodes and completes, bitwise equal;
+* rank 2 SIGKILLed at its second step in every attempt (a step hook: the fault follows the
+  rank to the spare), before any checkpoint: the no-progress limit ends the job after two
+  attempts, though a spare and budget are left;
 * ``HPC_FAULT=2:5:exc`` (an application error): the job ends non-zero within seconds,
   no restart, the rank and its exception named, no strike.
 
@@ -32,7 +35,7 @@ from hpc.ledger import Ledger
 from hpc.submit import watch as jobwatch
 from tests.helpers.paths import ROOT
 from tests.helpers.slurm import require_four, sbatch_nowait, sbatch_wait, slurm_env, until
-from tests.helpers.step_hooks import slowed
+from tests.helpers.step_hooks import killing, slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
     TINY_ARGS,
@@ -158,3 +161,24 @@ def test_an_application_error_ends_the_job_at_once_without_a_restart(
     assert Ledger().strikes() == []  # a program's error is not a bad node
     print(f"exception to job end: {ended:.1f} s", file=sys.stderr)
     assert ended <= 10, text[-4000:]
+
+
+@pytest.mark.timeout(240)
+def test_attempts_that_never_reach_a_checkpoint_hit_the_no_progress_limit(
+        tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **killing(rank=2, at=2), HPC_SPARE_NODES="2",
+                    HPC_MAX_RESTARTS="9")
+    job_id, rc, text = sbatch_wait(["-p", "four", "-N4", "--ntasks-per-node=2", "--no-kill",
+                                    TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path,
+                                   timeout=200, env=env)
+    assert rc != 0, text[-4000:]
+    decisions = _decisions(text)
+    assert len(decisions) == 2, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: rank 2 .* -> infrastructure \(node2 excluded\); "
+                     r"relaunching on node1,node3 from the start \(no checkpoint\) \(budget 2 "
+                     r"of 9 spent\)", decisions[0]), decisions
+    assert re.search(r"attempt 1 failed: node3: rank 2 .* -> infrastructure; 2 attempts in a "
+                     r"row wrote no new checkpoint \(no-progress limit\)", decisions[1]), decisions
+    assert [r.word for r in jobwatch.history(str(job_id))] == ["FAILED"]
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("*.pt"))
