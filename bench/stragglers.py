@@ -1,7 +1,7 @@
 """The straggler detector on the 4-node test cluster: false verdicts, noise floor, latency.
 
 Runs ``hpc pretrain`` on ``srun -p four -N4 --ntasks-per-node=2`` (8 ranks, 11 steps an
-epoch) ``--runs`` times healthy, ``--runs`` times with node3's link shaped (tc tbf 1
+epoch) ``--runs`` times healthy, ``--runs`` times with node3's link shaped (tc tbf, ``TBF``: 20
 Mbit/s) and ``--runs`` times with rank 5 (node3) frozen 30 % of the time (SIGSTOP 60 ms /
 SIGCONT 140 ms), the faults starting once step 60 is done. Prints, per run, the verdicts
 and, for the faults, the steps and seconds from the fault to the first verdict naming
