@@ -4,8 +4,9 @@ fails — without that host.
 Runs in the batch shell (``slurm/*.sbatch``), never in a rank. Each attempt is one
 ``srun --kill-on-bad-exit=1 --nodelist=HOSTS`` of the command on ``nodes`` hosts of the
 allocation; the others are spares (``--spare-nodes``, ``HPC_SPARE_NODES``). While it runs,
-the supervisor watches the step's hosts in Slurm (``sinfo``): a host that goes DOWN or
-stops responding ends the attempt at once (the step is cancelled, the ranks cannot
+the supervisor watches the step's hosts in Slurm (``sinfo``) and on slurmd's port
+(:class:`Reachability`): a host that goes DOWN, stops responding or stops answering ends
+the attempt at once (the step is cancelled, the ranks cannot
 finish it). After a failure it gathers the evidence (srun's exit lines, the ranks'
 failure marks in the attempt's ``HPC_ERROR_DIR``, the hosts' states), classifies it
 (:mod:`hpc.supervise.verdict`), decides (:mod:`hpc.supervise.plan`) and logs ONE line
@@ -20,7 +21,9 @@ only: an injected crash is one crash, not one per attempt or requeue.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,17 +31,18 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from hpc.supervise import plan as plans
 from hpc.supervise.progress import read_progress
-from hpc.supervise.verdict import Evidence, Mark, Verdict, classify, gone
+from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import failure
 
-__all__ = ["Options", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S"]
+__all__ = ["Options", "Reachability", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S",
+           "UNREACHABLE_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,13 @@ SETTLE_S = 8.0
 KILLED_SETTLE_S = 2.0
 #: Seconds between two looks at the step's hosts in Slurm.
 POLL_S = 1.0
+#: Seconds scancel, then srun, get to end a cancelled step.
+CANCEL_S = 2.0
+#: Seconds a host may not answer on slurmd's port before the attempt ends without it.
+UNREACHABLE_S = 6.0
+#: Seconds between two probes of the hosts' slurmd ports, and one probe's limit (the
+#: kernel answers a connection even when slurmd and the host are busy).
+PROBE_EVERY_S, CONNECT_S = 2.0, 1.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,54 @@ def node_states(hosts: Sequence[str]) -> dict[str, str]:
     return states
 
 
+def slurmd_port() -> int:
+    """slurmd's port (``scontrol show config``: SlurmdPort; 6818 when unknown)."""
+    m = re.search(r"^SlurmdPort\s*=\s*(\d+)", _run(["scontrol", "show", "config"], timeout=10),
+                  re.MULTILINE)
+    return int(m[1]) if m else 6818
+
+
+def _answers(address: str, port: int) -> bool:
+    """A TCP connection to ``address:port`` is accepted within :data:`CONNECT_S`."""
+    try:
+        with socket.create_connection((address, port), timeout=CONNECT_S):
+            return True
+    except OSError:
+        return False
+
+
+class Reachability:
+    """Which of the step's hosts stopped answering on slurmd's port.
+
+    Slurm marks a node that stopped answering only after ``SlurmdTimeout`` (300 s by
+    default): until then a cut link leaves the ranks waiting in a collective and srun
+    waiting for them. Every :data:`PROBE_EVERY_S` seconds the supervisor opens (and
+    closes) one TCP connection to each host's slurmd, which every compute node accepts
+    from its peers (Slurm's own fan-out); a host that answers none for
+    :data:`UNREACHABLE_S` is lost (a cut link, a dead node, a stopped slurmd).
+    """
+
+    def __init__(self, addresses: Mapping[str, str], port: int,
+                 answers: Callable[[str, int], bool] = _answers,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.addresses, self.port, self.answers, self.clock = addresses, port, answers, clock
+        self.silent_since: dict[str, float] = {}
+        self._last = -math.inf
+
+    def unreachable(self) -> list[str]:
+        """The hosts silent for :data:`UNREACHABLE_S` or longer (probes at most every
+        :data:`PROBE_EVERY_S`)."""
+        now = self.clock()
+        if now - self._last >= PROBE_EVERY_S:
+            self._last = now
+            for host, address in self.addresses.items():
+                if self.answers(address, self.port):
+                    self.silent_since.pop(host, None)
+                else:
+                    self.silent_since.setdefault(host, now)
+        return [h for h, t in self.silent_since.items() if now - t >= UNREACHABLE_S]
+
+
 def _addresses(hosts: Sequence[str]) -> dict[str, str]:
     out = {}
     for h in hosts:
@@ -126,17 +185,23 @@ class Attempt:
     """One srun of the command on ``hosts``: started, watched, its evidence gathered."""
 
     def __init__(self, opts: Options, hosts: Sequence[str], per_node: int,
-                 error_dir: Path, env: Mapping[str, str]) -> None:
+                 error_dir: Path, env: Mapping[str, str], port: int = 6818) -> None:
         self.hosts = list(hosts)
         self.error_dir = error_dir
         self.name = f"hpc-attempt-{uuid.uuid4().hex[:8]}"
         self.lines: list[str] = []
         self.lost: dict[str, str] = {}
         n = len(hosts)
-        self.argv = ["srun", "--label", "--kill-on-bad-exit=1", f"--job-name={self.name}",
+        # --overlap: a cancelled step whose host cannot be reached (a cut link) keeps its
+        # CPUs on the healthy hosts until Slurm hears from that host again (SlurmdTimeout,
+        # 300 s by default); without it the relaunch waited for them ("Requested nodes are
+        # busy"). Only one attempt runs at a time: the supervisor ends one before the next.
+        self.argv = ["srun", "--label", "--kill-on-bad-exit=1", "--overlap",
+                     f"--job-name={self.name}",
                      f"--nodes={n}", f"--ntasks={n * per_node}",
                      f"--ntasks-per-node={per_node}", f"--nodelist={','.join(hosts)}",
                      *opts.srun_args, *opts.command]
+        self.reach = Reachability(_addresses(self.hosts), port)
         self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True,
                                      env=dict(env), errors="replace")
         self._reader = threading.Thread(target=self._pump, daemon=True)
@@ -169,10 +234,12 @@ class Attempt:
                 pass
             states = node_states(self.hosts)
             lost = {h: s for h, s in states.items() if gone(s)}
+            lost.update({h: UNREACHABLE for h in self.reach.unreachable() if h not in lost})
             if lost:
                 self.lost = lost
-                say(f"{', '.join(f'{h} is {s}' for h, s in lost.items())} in Slurm: "
-                    "ending the attempt")
+                say("; ".join(f"{h} did not answer on slurmd's port for {UNREACHABLE_S:g} s"
+                              if s == UNREACHABLE else f"{h} is {s} in Slurm"
+                              for h, s in lost.items()) + ": ending the attempt")
                 return self._finish(self.cancel())
             if failing is None:
                 failing = self._failing_since()
@@ -192,11 +259,16 @@ class Attempt:
                 if n.strip() == self.name]
 
     def cancel(self) -> int:
-        """Cancel the step (``scancel --signal=KILL JOB.STEP``), then srun; -9."""
+        """Cancel the step (``scancel --signal=KILL JOB.STEP``), then srun; -9.
+
+        Neither is waited for long: with a host cut off, scancel blocked 10 s on the
+        controller (which keeps trying that host) and srun waits for its tasks for ever;
+        the request is in once scancel has sent it, and the next attempt shares the CPUs
+        the cut-off step still holds (``--overlap``)."""
         for step in self._step_ids(os.environ):
-            _run(["scancel", "--signal=KILL", step], timeout=10)
+            _run(["scancel", "--signal=KILL", step], timeout=CANCEL_S)
         try:
-            self.proc.wait(timeout=3)
+            self.proc.wait(timeout=CANCEL_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -243,7 +315,7 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
     base = Path(env.get("HPC_ERROR_DIR") or Path(env.get("HPC_LOG_DIR", ".")) / "failures")
     progress = base.parent / "progress.json"
     state = plans.State(tuple(hosts), nodes, opts.max_restarts, opts.elastic)
-    per_node = tasks_per_node(env)
+    per_node, port = tasks_per_node(env), slurmd_port()
     say(f"{nodes} of {len(hosts)} hosts, {per_node} tasks each"
         + (f"; spares {','.join(hosts[nodes:])}" if opts.spare_nodes else "")
         + f"; up to {opts.max_restarts} restarts")
@@ -256,7 +328,7 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
             error_dir.mkdir(parents=True, exist_ok=True)
             before = read_progress(progress)
             run = Attempt(opts, run_on, per_node, error_dir,
-                          _attempt_env(env, error_dir, progress, attempt))
+                          _attempt_env(env, error_dir, progress, attempt), port)
             code = run.wait()
             verdict = classify(run.evidence(code))
             if not verdict.restartable:

@@ -7,7 +7,8 @@ and returns a :class:`Verdict`. The rules, in order; the first that applies deci
 1. exit status 0: ``completed``; 75 (every rank's agreed exit after a requeue):
    ``requeued``; both end the supervision as they are.
 2. a host of the step is DOWN, failed or not responding (``sinfo``: ``down*``,
-   ``idle*``, ``fail``): **infrastructure**, that host.
+   ``idle*``, ``fail``), or did not answer on slurmd's port for a while
+   (:data:`UNREACHABLE`): **infrastructure**, that host.
 3. ranks that srun saw ``Killed`` (or dead of another signal) before it cancelled the
    step, and that wrote no failure mark of their own (a peer's watchdog report naming
    them as stuck is not theirs): a process that never ran Python's exit (SIGKILL
@@ -41,13 +42,17 @@ from hpc.errors import EXIT_REQUEUED
 from hpc.watchdog.failure import GENERIC_MESSAGE, SrunExit
 
 __all__ = ["Evidence", "Mark", "Verdict", "classify", "COMPLETED", "REQUEUED",
-           "INFRASTRUCTURE", "APPLICATION"]
+           "INFRASTRUCTURE", "APPLICATION", "UNREACHABLE"]
 
 COMPLETED, REQUEUED, INFRASTRUCTURE, APPLICATION = (
     "completed", "requeued", "infrastructure", "application")
 
 #: Slurm node states (sinfo %T) that mean the host is gone; ``*`` = not responding.
 _GONE = ("down", "fail", "failing", "unknown", "future", "power_down", "powering_down")
+#: The state the supervisor gives a host that did not answer on slurmd's port for
+#: :data:`hpc.supervise.supervisor.UNREACHABLE_S` seconds (a cut link, a dead node), long
+#: before Slurm's own ``SlurmdTimeout`` (300 s by default) marks it not responding.
+UNREACHABLE = "unreachable"
 #: What a rank says when it only lost a peer (its own code is not at fault).
 _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
                         r"[Cc]onnection refused|Socket Timeout|timed out|[Tt]imeout|"
@@ -104,7 +109,7 @@ class Verdict:
 def gone(state: str) -> bool:
     """True for a Slurm node state that means the host is lost to the job."""
     s = state.lower()
-    return s.endswith("*") or s.rstrip("*~#$@^-+").split("+")[0] in _GONE
+    return s == UNREACHABLE or s.endswith("*") or s.rstrip("*~#$@^-+").split("+")[0] in _GONE
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -170,7 +175,8 @@ def classify(e: Evidence) -> Verdict:
     lost = [h for h in dict.fromkeys(e.hosts) if gone(e.states.get(h, ""))]
     if lost:
         return Verdict(INFRASTRUCTURE, tuple(lost), "; ".join(
-            f"{h}: Slurm state {e.states[h]} (node unreachable)" for h in lost))
+            f"{h}: no answer on slurmd's port (node unreachable)" if e.states[h] == UNREACHABLE
+            else f"{h}: Slurm state {e.states[h]} (node unreachable)" for h in lost))
     stuck = _stuck(e)
     killed = _signal_deaths(e, stuck)
     if killed:

@@ -14,6 +14,11 @@ at step 7, after the checkpoint of step 6: the node "crashes", no rank writes a 
 * rank 2 SIGKILLed at its second step in every attempt (a step hook: the fault follows the
   rank to the spare), before any checkpoint: the no-progress limit ends the job after two
   attempts, though a spare and budget are left;
+* node2's link cut from the host (``ip link set hpcv-node2 down``) once checkpoint 6 is
+  written: its ranks live on but nothing reaches them, and Slurm would notice only after
+  ``SlurmdTimeout`` (300 s); the supervisor finds node2 silent on slurmd's port, relaunches on
+  node1,node3 (``srun --overlap``: the cut-off step still holds node1's CPUs) and the job
+  completes bitwise equal; the link comes back up afterwards;
 * ``HPC_FAULT=2:5:exc`` (an application error): the job ends non-zero within seconds,
   no restart, the rank and its exception named, no strike.
 
@@ -34,7 +39,15 @@ import pytest
 from hpc.ledger import Ledger
 from hpc.submit import watch as jobwatch
 from tests.helpers.paths import ROOT
-from tests.helpers.slurm import require_four, sbatch_nowait, sbatch_wait, slurm_env, until
+from tests.helpers.requires import require
+from tests.helpers.slurm import (
+    require_four,
+    sbatch_nowait,
+    sbatch_wait,
+    slurm_env,
+    until,
+    wait_for_file,
+)
 from tests.helpers.step_hooks import killing, slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
@@ -182,3 +195,41 @@ def test_attempts_that_never_reach_a_checkpoint_hit_the_no_progress_limit(
                      r"row wrote no new checkpoint \(no-progress limit\)", decisions[1]), decisions
     assert [r.word for r in jobwatch.history(str(job_id))] == ["FAILED"]
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("*.pt"))
+
+
+def _link(node: str, state: str) -> None:
+    subprocess.run(["ip", "link", "set", f"hpcv-{node}", state], check=True, timeout=20)
+
+
+@pytest.mark.timeout(300)
+def test_a_cut_link_is_found_on_slurmds_port_and_the_step_goes_on_without_the_node(
+        tiny_reference: Path, tmp_path: Path, cancel_after: list[str]) -> None:
+    require("ip", "iproute2")
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1")
+    job_id = sbatch_nowait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
+                            TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path, env,
+                           cancel_after)
+    log = tmp_path / f"hpc-srun-{job_id}.out"
+    try:
+        wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job_id, timeout=150)
+        _link("node2", "down")
+        cut = time.monotonic()
+        until("the relaunch's resume", lambda: "resumed from" in log.read_text(), job_id,
+              timeout=90)
+        resumed = time.monotonic() - cut
+    finally:
+        _link("node2", "up")
+    last = jobwatch.wait(job_id, timeout=120)
+    text = log.read_text()
+    assert last.word == "COMPLETED", text[-4000:]
+    decisions = _decisions(text)
+    assert len(decisions) == 1, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: no answer on slurmd's port \(node unreachable\) "
+                     r"-> infrastructure \(node2 excluded\); relaunching on node1,node3 from step "
+                     r"\d+ ", decisions[0]), decisions
+    assert [s.host for s in Ledger().strikes()] == ["node2"]
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)
+    print(f"link cut to resumed: {resumed:.1f} s", file=sys.stderr)
+    assert resumed <= RESUMED_WITHIN_S, text[-4000:]

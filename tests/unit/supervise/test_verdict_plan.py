@@ -136,3 +136,24 @@ def test_a_rank_that_raised_before_the_watchdog_named_it_is_the_programs() -> No
     v = classify(e)
     assert v.kind == APPLICATION and v.culprits == (), v
     assert v.evidence.startswith("rank 2 on node2: hpc.errors.InjectedFault: HPC_FAULT 2:5:exc")
+
+
+def test_a_host_silent_on_slurmds_port_for_6_s_is_unreachable_one_that_answers_again_not() -> None:
+    from hpc.supervise.supervisor import Reachability
+
+    now, up = [0.0], {"10.0.0.1": True, "10.0.0.2": False}
+    r = Reachability({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 6818,
+                     answers=lambda a, p: up[a], clock=lambda: now[0])
+    seen = []
+    for t in range(0, 9):
+        now[0] = float(t)
+        seen.append(r.unreachable())
+    assert seen[:6] == [[]] * 6 and seen[6:] == [["node2"]] * 3  # silent since t=0
+    up["10.0.0.2"] = True
+    now[0] = 9.0
+    assert r.unreachable() == ["node2"]  # probes every 2 s: the last at t=8
+    now[0] = 10.0
+    assert r.unreachable() == []  # it answered the next one
+    v = classify(Evidence(-9, (), {}, ("node1", "node2"), {"node2": "unreachable"}))
+    assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node2",))
+    assert v.evidence == "node2: no answer on slurmd's port (node unreachable)"
