@@ -42,7 +42,7 @@ from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify
 from hpc.watchdog import failure
 
 __all__ = ["Options", "Reachability", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S",
-           "UNREACHABLE_S"]
+           "UNREACHABLE_S", "PROBE_EVERY_S", "CONNECT_S", "CANCEL_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,11 @@ POLL_S = 1.0
 CANCEL_S = 2.0
 #: Seconds a host may not answer on slurmd's port before the attempt ends without it.
 UNREACHABLE_S = 6.0
-#: Seconds between two probes of the hosts' slurmd ports, and one probe's limit (the
-#: kernel answers a connection even when slurmd and the host are busy).
-PROBE_EVERY_S, CONNECT_S = 2.0, 1.0
+#: Seconds between two probes of the hosts' slurmd ports.
+PROBE_EVERY_S = 2.0
+#: One probe's limit (the kernel answers a connection even when slurmd and the host are
+#: busy).
+CONNECT_S = 1.0
 
 
 @dataclass(frozen=True)
