@@ -285,9 +285,11 @@ class Attempt:
 
 def _attempt_env(base: Mapping[str, str], error_dir: Path, progress: Path,
                  attempt: int) -> dict[str, str]:
+    from hpc.preempt.requeue import read_budget
+
     env = {**base, "HPC_ERROR_DIR": str(error_dir), "HPC_PROGRESS_FILE": str(progress),
            "HPC_ATTEMPT": str(attempt)}
-    if attempt > 0 or base.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
+    if attempt > 0 or read_budget(base).restarts > 0:
         env.pop("HPC_FAULT", None)  # an injected crash is one crash, requeues included
     return env
 

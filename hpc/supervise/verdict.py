@@ -137,18 +137,21 @@ def _stuck(e: Evidence) -> dict[str, list[int]]:
     (``rank 2 (node2, pid 41) never entered ...``), in any rank's mark: the waiters' marks
     repeat the reporter's sentence, so only the ranks it names count, not the markers."""
     named: dict[int, str] = {}
+    in_own_mark: set[int] = set()  # named stuck in its own mark: the reporter wrote it
     for rank, m in e.marks.items():
         for s in _STUCK.finditer(m.message):
-            r, host = int(s[1]), s[2] or (m.host if int(s[1]) == rank else "")
+            r = int(s[1])
+            if r == rank:
+                in_own_mark.add(r)
+            host = s[2] or (m.host if r == rank else "")
             if host:
                 named.setdefault(r, host)
     out: dict[str, list[int]] = {}
     for r, host in sorted(named.items()):
-        own = e.marks.get(r)
         # A named rank that marked its own failure first (an exception, an exit) failed
         # in its code; the others only saw it gone. Its mark names it stuck when the
         # reporter wrote it for a rank that could not (killed, frozen).
-        if own is None or any(int(s[1]) == r for s in _STUCK.finditer(own.message)):
+        if r not in e.marks or r in in_own_mark:
             out.setdefault(host, []).append(r)
     return out
 

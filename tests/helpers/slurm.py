@@ -87,10 +87,10 @@ def slurm_env(**extra: str) -> dict[str, str]:
     return env
 
 
-#: ``scontrol`` job states after which a job runs no more. A requeued job is PENDING
-#: again, not ended (``sbatch --wait`` waits on through requeues too).
-ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                   "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+#: Job states after which a job runs no more (:data:`hpc.submit.watch.TERMINAL`, and a job
+#: preempted for good). A requeued job is PENDING again, not ended (``sbatch --wait`` waits
+#: on through requeues too).
+ENDED = frozenset({*jobwatch.TERMINAL, "PREEMPTED"})
 #: Seconds between two looks at a job that sbatch_wait waits for.
 POLL_S = 0.5
 
@@ -99,20 +99,15 @@ def job_ended(job_id: str) -> tuple[str, int] | None:
     """``(state, exit status)`` of a job that has ended, None while it may still run.
 
     The exit status is what ``sbatch --wait`` returns: the batch script's exit code, 1 when
-    a signal ended it. Read from ``scontrol`` (slurmctld, at once); from ``sacct`` when the
-    controller has forgotten the job."""
+    a signal ended it. Read from ``scontrol`` (slurmctld, at once); from ``sacct``
+    (:func:`hpc.submit.watch.current`) when the controller has forgotten the job."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
                          text=True, timeout=20).stdout
     fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
     state, code = fields.get("JobState"), fields.get("ExitCode", "")
     if state is None:  # purged (MinJobAge): the accounting record
-        rows = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o",
-                               "State,ExitCode"], capture_output=True, text=True,
-                              timeout=30).stdout.split()
-        if not rows:
-            return None
-        state, _, code = rows[-1].partition("|")
-        state = state.split()[0]
+        run = jobwatch.current(job_id)
+        state, code = run.word, run.exit_code
     if state not in ENDED:
         return None
     exit_code, _, sig = code.partition(":")
