@@ -27,7 +27,7 @@ __all__ = [
     "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
     "is_master", "is_local_master", "master_only", "barrier", "seed_everything",
     "setup_logging", "sync_model", "sync_gradients", "GradSync",
-    "save_checkpoint", "restore_checkpoint", "Restored", "ResumableSampler", "AgreedStop",
+    "save_checkpoint", "restore_checkpoint", "wait_for_checkpoint", "Restored", "ResumableSampler", "AgreedStop",
     "PreemptGuard",
     "HPCError", "LaunchEnvironmentError", "InconsistentEnvironmentError",
     "MasterAddressError", "RendezvousError", "ModelMismatchError", "CheckpointError",
@@ -47,6 +47,7 @@ _LAZY = {
     "sync_model": "hpc.sync.model", "sync_gradients": "hpc.sync.grads", "GradSync": "hpc.sync.grads",
     # checkpoint, resume and the agreed stop for any script (docs/preemptible.md)
     "save_checkpoint": "hpc.checkpoint.resume", "restore_checkpoint": "hpc.checkpoint.resume",
+    "wait_for_checkpoint": "hpc.checkpoint.asyncsave",
     "Restored": "hpc.checkpoint.resume", "ResumableSampler": "hpc.checkpoint.sampler",
     "AgreedStop": "hpc.preempt.stop", "PreemptGuard": "hpc.preempt.guard",
 }

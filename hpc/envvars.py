@@ -238,6 +238,10 @@ VARIABLES: dict[str, Variable] = _table(
              "set by hpc supervise: hpc.save_checkpoint records the step and path of each "
              "checkpoint there (global master), so the supervisor knows where a restart "
              "resumes and whether an attempt made progress"),
+    Variable("HPC_STAGE_DIR", _text, "a directory on a tmpfs", "/dev/shm", "/dev/shm",
+             "where hpc.save_checkpoint(blocking=False) stages the state in memory for its "
+             "writer process (needs room for one copy of the checkpoint; a save that does "
+             "not fit is written synchronously, with a warning)"),
     Variable("HPC_SUPERVISE", _choice("0", "1"), "1 or 0", "0", "0",
              "slurm/pretrain.sbatch: 1 runs the step under hpc supervise, which restarts it "
              "inside the allocation without a host that failed (HPC_SPARE_NODES > 0 implies "

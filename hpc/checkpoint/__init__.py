@@ -4,6 +4,10 @@
   (all ranks call, the global master writes; another world size is refused);
 * :mod:`hpc.checkpoint.ranks` — what each rank keeps of its own (RNG states, buffers that
   differ across ranks, ``rank_extra``): gathered on the master, given back per rank;
+* :mod:`hpc.checkpoint.asyncsave` — ``save_checkpoint(..., blocking=False)``: the master's
+  writer handle and :func:`wait_for_checkpoint`; :mod:`hpc.checkpoint.staging` copies the
+  state into shared memory, :mod:`hpc.checkpoint.writer` is the writer process (and the
+  file step every save runs);
 * :mod:`hpc.checkpoint.files` — the files: atomic write with a ``.sha256`` sidecar,
   keep-last-K, verified ``weights_only`` load with fallback, RNG states (no collectives);
 * :mod:`hpc.checkpoint.loadable` — what a checkpoint may hold: the ``weights_only``
@@ -19,10 +23,12 @@ from __future__ import annotations
 
 from hpc._lazy import lazy_attributes
 
-__all__ = ["Restored", "ResumableSampler", "restore_checkpoint", "save_checkpoint"]
+__all__ = ["Restored", "ResumableSampler", "restore_checkpoint", "save_checkpoint",
+           "wait_for_checkpoint"]
 
 _LAZY = {"save_checkpoint": "hpc.checkpoint.resume",
          "restore_checkpoint": "hpc.checkpoint.resume", "Restored": "hpc.checkpoint.resume",
-         "ResumableSampler": "hpc.checkpoint.sampler"}
+         "ResumableSampler": "hpc.checkpoint.sampler",
+         "wait_for_checkpoint": "hpc.checkpoint.asyncsave"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -80,7 +80,8 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -95,7 +96,7 @@ def _is_stale(match: re.Match[str], path: Path, now: float) -> bool:
     if host == socket.gethostname():
         if pid == os.getpid():
             return False  # ours: a save of this process may be writing it
-        if not _alive(pid):
+        if not pid_alive(pid):
             return True
     try:
         return now - path.stat().st_mtime > STALE_TMP_S

@@ -36,16 +36,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from hpc.checkpoint.files import (
-    checkpoint_path,
-    load_latest,
-    prune,
-    restore_rng,
-    save_atomic,
-)
+from hpc.checkpoint import asyncsave
+from hpc.checkpoint.files import checkpoint_path, load_latest, restore_rng
 from hpc.checkpoint.ranks import PER_RANK, gather_rank_states, model_state_for, rank_extra_for
 from hpc.errors import CheckpointError
-from hpc.supervise.progress import note_checkpoint
+from hpc.checkpoint.writer import write_checkpoint
 from hpc.sync.agree import all_true, broadcast_object, world
 from hpc.watchdog import tracker
 
@@ -118,7 +113,8 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                     scheduler: Any = None, sampler: Any = None, epoch: int = 0,
                     batch: int = 0, keep: int = 3,
                     extra: Optional[dict[str, Any]] = None,
-                    rank_extra: Optional[dict[str, Any]] = None) -> Path:
+                    rank_extra: Optional[dict[str, Any]] = None,
+                    blocking: bool = True) -> Path:
     """Checkpoint the state after ``step`` (collective: call it on every rank).
 
     The global master writes ``directory/ckpt-<step>.pt`` atomically with its checksum
@@ -149,12 +145,17 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
             back.
         rank_extra: This rank's own values (the same rules as ``extra``), e.g. its
             loss history: each rank gets its own back as ``Restored.rank_extra``.
+        blocking: ``False``: return once the state is copied aside (into shared
+            memory, :mod:`hpc.checkpoint.asyncsave`); a writer process writes the file
+            while training goes on. The next save, :func:`~hpc.wait_for_checkpoint`
+            and the end of the process wait for it; its errors are raised there.
 
     Raises:
         CheckpointError: on every rank, when the master could not write the file, or
             when ``weights_only=True`` would refuse it (a value in ``extra``, or in a
             state dict, of a type it does not load; the message names it). Then
-            nothing is written and no older checkpoint is deleted.
+            nothing is written and no older checkpoint is deleted. Also when the
+            previous asynchronous save failed (raised by this call, before it saves).
         ValueError: ``extra`` uses a reserved key, or ``keep`` is negative.
     """
     clash = sorted(set(extra or ()) & set(RESERVED))
@@ -162,25 +163,31 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
         raise ValueError(f"save_checkpoint: extra keys {clash} are reserved ({RESERVED})"
                          if clash else f"save_checkpoint: keep={keep} is negative.\n"
                          "HINT: keep=0 keeps every checkpoint.")
+    asyncsave.settle()  # the previous save first: at most one in flight
     rank, size = world()
     states = gather_rank_states(_unwrap(model), rank_extra)
     path = checkpoint_path(directory, step)
-    error = None
+    payload = None
     if rank == 0:
+        payload = _payload(path, step, epoch, batch, size, model, optimizer, scheduler,
+                           sampler, extra, states)
+    if not blocking:
+        asyncsave.start_save(payload, path, step, keep, rank)
+        return path
+    error = None
+    if payload is not None:
         with tracker.aside():  # the others wait for it: not a straggler (hpc.health)
-            error = _write(path, step, epoch, batch, size, model, optimizer, scheduler,
-                           sampler, extra, states, keep)
+            error = write_checkpoint(payload, path, step, keep)
     error = broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
     return path
 
 
-def _write(path: Path, step: int, epoch: int, batch: int, size: int, model: nn.Module,
-           optimizer: Any, scheduler: Any, sampler: Any, extra: Optional[dict[str, Any]],
-           states: Optional[dict[str, Any]], keep: int) -> Optional[str]:
-    """The master's part of :func:`save_checkpoint`: the error text, or None."""
-    error = None
+def _payload(path: Path, step: int, epoch: int, batch: int, size: int, model: nn.Module,
+             optimizer: Any, scheduler: Any, sampler: Any, extra: Optional[dict[str, Any]],
+             states: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The master's checkpoint: the states, the position, ``extra``."""
     payload = {**(extra or {}), "format": FORMAT, "step": int(step),
                "epoch": int(epoch), "batch": int(batch), "world_size": size,
                "model": _unwrap(model).state_dict(), **(states or {})}
@@ -191,20 +198,7 @@ def _write(path: Path, step: int, epoch: int, batch: int, size: int, model: nn.M
     if sampler is not None:
         payload["sampler"] = _sampler_state(sampler)
         _warn_unresumable(sampler, epoch, batch, path)
-    try:
-        save_atomic(payload, path)  # loads it back by the resume's rule first
-        note_checkpoint(step, path)  # for hpc supervise: where a restart resumes
-        removed = prune(path.parent, keep)
-        logger.debug("saved %s (removed %s)", path, [p.name for p in removed])
-    except CheckpointError as e:  # a value weights_only=True refuses, named
-        error = str(e)
-    except Exception as e:  # disk full, permissions, unpicklable extra
-        error = (
-            f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}.\n"
-            "The run continues from the previous checkpoint if it is restarted.\n"
-            "HINT: check free space and permissions of the directory, and that "
-            "extra= holds only tensors and plain Python values.")
-    return error
+    return payload
 
 
 #: Sampler types already warned about by :func:`_warn_unresumable` (once per process).
@@ -271,6 +265,7 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
     """
     from hpc.checkpoint.files import load_checkpoint
 
+    asyncsave.settle()  # a save in flight is the newest checkpoint
     rank, _ = world()
     path, error, payload = choose() if rank == 0 else (None, None, None)
     path, error = broadcast_object((path, error))

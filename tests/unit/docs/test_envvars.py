@@ -193,7 +193,7 @@ def literal_names(text: str) -> set[str]:
         for word in re.findall(r"(?<![\w.])_?[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*(?![\w(])", inner):
             if word.startswith("_") and "_" in last:
                 names.add(last.rsplit("_", 1)[0] + word)
-            elif "_" in word or word in ("RANK", "NNODES"):
+            elif "_" in word or word in ("RANK", "NNODES", "PYTHONPATH"):
                 names.add(word)
                 last = word
     return names
