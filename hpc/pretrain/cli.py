@@ -70,6 +70,9 @@ def _build(p: argparse.ArgumentParser) -> None:
       help="never resume; refuse a DIR that holds checkpoints")
     a("--ckpt-every", type=int, default=d.ckpt_every,
       help="also checkpoint every N steps (default: epoch ends and stops only)")
+    a("--ckpt-async", action=argparse.BooleanOptionalAction, default=d.ckpt_async,
+      help="write the checkpoints taken during training in a writer process while "
+      "training goes on (the stop's and the last one are waited for)")
     a("--max-steps", type=int, default=None,
       help="stop with a checkpoint after this global step (schedule still spans --epochs)")
     a("--elastic", action="store_true",

@@ -47,6 +47,10 @@ class PretrainConfig:
             checkpoint file or directory to resume from.
         ckpt_every: Also checkpoint every N steps (0 = only at epoch ends and at stops).
         keep: How many checkpoints to keep (the newest).
+        ckpt_async: Write the checkpoints taken while training goes on (every
+            ``ckpt_every`` steps, at epoch ends) in a writer process
+            (``save_checkpoint(blocking=False)``); the stop's and the last one are
+            written before the run returns.
         elastic: Allow resuming with a different world size: weights, optimizer and
             schedule continue, the epoch resumes near the same sample count, RNG
             streams are reseeded. Not exact; without it such a resume is refused.
@@ -84,6 +88,7 @@ class PretrainConfig:
     resume: str = "auto"
     ckpt_every: int = 0
     keep: int = 3
+    ckpt_async: bool = False
     elastic: bool = False
     max_steps: Optional[int] = None
     progress: bool = True

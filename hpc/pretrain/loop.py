@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpc
+from hpc.checkpoint.asyncsave import wait_for_checkpoint
 from hpc.health.step import StepHealth
 from hpc.pretrain import resume as resume_mod
 from hpc.pretrain.config import PretrainConfig
@@ -261,7 +262,9 @@ class _Run:
                     bar = None
                 self._end_epoch(epoch, loss_sum / max(loss_n, 1), lr)
             if epoch_end or stop or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
-                self._checkpoint_after(epoch, done_before + i + 1, epoch_end)
+                last = stop or (epoch_end and epoch + 1 == cfg.epochs)
+                self._checkpoint_after(epoch, done_before + i + 1, epoch_end,
+                                       blocking=last or not cfg.ckpt_async)
                 self.health.skip()  # validation and the checkpoint are not a step
             if stop:
                 break
@@ -353,7 +356,8 @@ class _Run:
                                "acc_mean": sum(val_acc) / len(val_acc)}])
         return val_acc
 
-    def _checkpoint_after(self, epoch: int, next_batch: int, epoch_end: bool) -> None:
+    def _checkpoint_after(self, epoch: int, next_batch: int, epoch_end: bool,
+                          blocking: bool) -> None:
         """Checkpoint the state after this step; at an epoch end, also plot the metrics."""
         if self.metrics is not None:
             self.metrics.flush()
@@ -361,7 +365,7 @@ class _Run:
         self.last_ckpt = resume_mod.save(
             self.cfg, self.run_dir, self.space, self.optimizer, self.scheduler,
             step=self.step, epoch=next_epoch, batch=next_batch,
-            val_acc=self.val_acc)
+            val_acc=self.val_acc, blocking=blocking)
         if self.is_master and epoch_end and self.run_dir is not None:
             plot_metrics(self.run_dir / "metrics.csv", self.run_dir / "metrics.png")
 
@@ -372,6 +376,7 @@ class _Run:
 
     def finish(self) -> PretrainResult:
         """Finish: flush the metrics, write ``result.json`` (master), log the outcome."""
+        wait_for_checkpoint()  # an asynchronous one in flight (none after a last save)
         if self.metrics is not None:
             self.metrics.flush()
         archs, run_dir = self.archs, self.run_dir

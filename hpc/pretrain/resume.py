@@ -67,19 +67,21 @@ def set_determinism(enabled: bool) -> None:
 
 def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
          optimizer: torch.optim.Optimizer, scheduler: Any, *, step: int, epoch: int,
-         batch: int, val_acc: list[float]) -> Optional[str]:
+         batch: int, val_acc: list[float], blocking: bool = True) -> Optional[str]:
     """Checkpoint the state after ``step`` (collective: gathers every rank's RNG).
 
     ``epoch``/``batch`` are the position of the *next* step. Only the global master
     writes; it keeps the newest ``cfg.keep`` checkpoints. Returns the path (on every
-    rank), or ``None`` when there is no run directory.
+    rank), or ``None`` when there is no run directory. ``blocking=False``: written by the
+    writer process (:mod:`hpc.checkpoint.asyncsave`) while training goes on.
     """
     if run_dir is None:
         return None
     path = save_checkpoint(run_dir / "checkpoints", step, model=model, optimizer=optimizer,
                            scheduler=scheduler, epoch=epoch, batch=batch, keep=cfg.keep,
                            extra={"seed": cfg.seed, "config": cfg.to_dict(),
-                                  "val_acc": [float(a) for a in val_acc]})
+                                  "val_acc": [float(a) for a in val_acc]},
+                           blocking=blocking)
     return str(path)
 
 
