@@ -147,8 +147,9 @@ class Writer:
                 f"while writing {path}: that checkpoint was not written; the previous "
                 "ones are intact (each is renamed into place only once complete).\n"
                 "A process killed it (the out-of-memory killer, a user, the job's end).\n"
-                "HINT: the run goes on; the next checkpoint starts a new writer. Check "
-                "dmesg for the OOM killer if it happens again.")
+                "HINT: rerun: it resumes from the newest complete checkpoint; or catch "
+                "hpc.CheckpointError around save_checkpoint to train on (the next save "
+                "starts a new writer). dmesg names the OOM killer's victims.")
 
     def close(self) -> None:
         """End the writer (after its save in flight) and remove the stage."""
