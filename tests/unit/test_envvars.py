@@ -42,7 +42,8 @@ TYPOS = {
 }
 #: Variables whose value is any text (a path, an id): nothing to get wrong in the form.
 FREE_TEXT = {"HPC_LOG_DIR", "HPC_ERROR_DIR", "HPC_RUN_ID", "HPC_PYTHON", "HPC_STOP_FILE",
-             "HPC_REQUEUE_MARKER", "HPC_STATE_DIR", "HPC_PROGRESS_FILE"}
+             "HPC_REQUEUE_MARKER", "HPC_STATE_DIR", "HPC_PROGRESS_FILE",
+             "HPC_STAGE_DIR"}
 #: The documented forms, and what they read as.
 ACCEPTED = [
     ("HPC_LAUNCHER", "slurm", "slurm"), ("HPC_LAUNCHER", "mpi4py", "mpi4py"),
