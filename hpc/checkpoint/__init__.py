@@ -8,6 +8,8 @@
   writer handle and :func:`wait_for_checkpoint`; :mod:`hpc.checkpoint.staging` copies the
   state into shared memory, :mod:`hpc.checkpoint.writer` is the writer process (and the
   file step every save runs);
+* :mod:`hpc.checkpoint.storage` — the storage pre-flight: the directory is one directory on
+  every node, with room for two checkpoints (run by the first restore or save there);
 * :mod:`hpc.checkpoint.files` — the files: atomic write with a ``.sha256`` sidecar,
   keep-last-K, verified ``weights_only`` load with fallback, RNG states (no collectives);
 * :mod:`hpc.checkpoint.loadable` — what a checkpoint may hold: the ``weights_only``

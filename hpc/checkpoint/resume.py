@@ -39,13 +39,15 @@ from torch import nn
 from hpc.checkpoint import asyncsave
 from hpc.checkpoint.files import checkpoint_path, load_latest, restore_rng
 from hpc.checkpoint.ranks import PER_RANK, gather_rank_states, model_state_for, rank_extra_for
-from hpc.errors import CheckpointError
+from hpc.checkpoint.staging import stage_bytes
+from hpc.checkpoint.storage import preflight_once
 from hpc.checkpoint.writer import write_checkpoint
+from hpc.errors import CheckpointError
 from hpc.sync.agree import all_true, broadcast_object, world
 from hpc.watchdog import tracker
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
-           "check_world_size", "load_states", "FORMAT"]
+           "check_world_size", "load_states", "projected_bytes", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
+
+
+def projected_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:
+    """The tensor bytes a checkpoint of ``model`` and ``optimizer`` will hold, for the
+    storage pre-flight: an optimizer without state yet (before its first step) counts as
+    two moments per weight, Adam's."""
+    weights = stage_bytes(_unwrap(model).state_dict())
+    if optimizer is None:
+        return weights
+    return stage_bytes(optimizer.state_dict()) if optimizer.state else weights + 2 * weights
 
 
 def _rebuilding_ddp(model: nn.Module) -> Optional[nn.Module]:
@@ -164,6 +176,7 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                          if clash else f"save_checkpoint: keep={keep} is negative.\n"
                          "HINT: keep=0 keeps every checkpoint.")
     asyncsave.settle()  # the previous save first: at most one in flight
+    preflight_once(directory, projected_bytes(model, optimizer))  # the first save here
     rank, size = world()
     states = gather_rank_states(_unwrap(model), rank_extra)
     path = checkpoint_path(directory, step)
@@ -354,6 +367,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
             ``allow_world_change``.
     """
     directory = Path(directory)
+    preflight_once(directory, projected_bytes(model, optimizer))  # before step 1
 
     def choose() -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
         try:

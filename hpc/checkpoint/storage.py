@@ -133,9 +133,8 @@ def preflight_once(directory: os.PathLike[str] | str,
 
 
 def _host() -> str:
-    """This node's name: ``SLURMD_NODENAME`` under ``srun`` (what ``sinfo`` and
-    ``--exclude`` use), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    """This node's name, as every other message of hpc names it (the log prefix)."""
+    return socket.gethostname()
 
 
 def _write_token(path: Path) -> tuple[str, float, str]:

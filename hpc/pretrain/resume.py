@@ -35,8 +35,10 @@ from hpc.checkpoint.resume import (
     agree_on_checkpoint,
     check_world_size,
     load_states,
+    projected_bytes,
     save_checkpoint,
 )
+from hpc.checkpoint.storage import preflight_once
 from hpc.errors import CheckpointError
 from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
 from hpc.pretrain.space import derive_seed
@@ -124,6 +126,8 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
             loads, a rank cannot read it, or the world size changed without
             ``cfg.elastic``.
     """
+    if run_dir is not None:  # where it saves: one directory with room, before step 1
+        preflight_once(run_dir / "checkpoints", projected_bytes(model, optimizer))
     path, payload = agree_on_checkpoint(lambda: _choose(cfg, run_dir))
     if path is None or payload is None:
         return Position()

@@ -280,8 +280,10 @@ def test_save_names_the_refused_value_inside_the_optimizer_state(tmp_path: Path)
 
 
 def test_a_failed_write_is_a_clear_error(tmp_path: Path) -> None:
+    """Found by the storage pre-flight of the first save, before anything is written."""
     (tmp_path / "file").write_text("")
-    with pytest.raises(CheckpointError, match="(?s)rank 0 could not write checkpoint.*HINT"):
+    with pytest.raises(CheckpointError, match="(?s)the global master .* cannot create or "
+                                              "write a file there.*HINT"):
         hpc.save_checkpoint(tmp_path / "file" / "sub", 1, **objects())
 
 
