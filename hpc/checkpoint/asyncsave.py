@@ -27,10 +27,14 @@ from typing import Any, Optional
 
 from hpc.errors import CheckpointError
 
-__all__ = ["Writer", "start_save", "settle", "wait_for_checkpoint", "in_flight"]
+__all__ = ["Writer", "start_save", "settle", "wait_for_checkpoint", "in_flight",
+           "WAIT_NOTE_S"]
 
 logger = logging.getLogger(__name__)
 
+#: A wait for the save in flight longer than this (seconds) is logged: saves come faster
+#: than the writer writes, or the filesystem stalls.
+WAIT_NOTE_S = 1.0
 #: The path of the save in flight, on every rank (None: nothing to wait for).
 _IN_FLIGHT: Optional[str] = None
 #: The master's writer, once it saved asynchronously.
@@ -125,6 +129,7 @@ class Writer:
             return error
         path, since = self.pending
         assert self.answers is not None and self.proc is not None
+        started = time.monotonic()
         try:
             while not self.answers.poll(1.0):
                 if self.proc.poll() is not None and not self.answers.poll(0):
@@ -134,8 +139,11 @@ class Writer:
             return self._died(path)
         finally:
             self.pending = None
-        logger.debug("checkpoint %s written in %.2f s (%.2f s after the save returned)",
-                     path, seconds, time.monotonic() - since)
+        waited = time.monotonic() - started
+        log = logger.info if waited > WAIT_NOTE_S else logger.debug
+        log("waited %.1f s for checkpoint %s, still being written (written in %.2f s; the "
+            "save returned %.1f s before)", waited, Path(path).name, seconds,
+            time.monotonic() - since)
         return error
 
     def _died(self, path: str) -> str:

@@ -12,7 +12,9 @@ pipe, rebuilds the payload from the shared-memory stage
 (:func:`hpc.checkpoint.staging.rebuild`), writes it and answers ``(error or None,
 seconds)`` on the other pipe. It ends at the end of its input, and with its parent
 (``PR_SET_PDEATHSIG``): a writer killed mid-write leaves a temporary file the next save
-removes, never a partial checkpoint.
+removes, never a partial checkpoint. It ignores SIGTERM, SIGINT, SIGHUP and SIGUSR1/2:
+Slurm signals every process of a step at a preemption, and the save in flight must end
+before the agreed stop writes the last checkpoint.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def main(argv: list[str]) -> int:
     from hpc.checkpoint.staging import rebuild
 
     _die_with_parent(int(argv[0]))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)  # a preemption's signals are the ranks' to act on
     torch.set_num_threads(1)  # copies and a hash: leave the cores to training
     requests = Connection(int(argv[1]), writable=False)
     answers = Connection(int(argv[2]), readable=False)

@@ -98,10 +98,9 @@ def kill_mid_save(tmp_path: Path, kind: str, seed: int) -> tuple[bool, str]:
 
 
 def newest_complete(directory: Path) -> int:
-    """The step of the newest checkpoint whose file and checksum are in place."""
-    steps = [int(p.name[5:13]) for p in directory.glob("ckpt-*.pt")
-             if p.with_name(p.name + ".sha256").is_file()]
-    return max(steps)
+    """The step of the newest checkpoint in place: the rename is the commit (its
+    ``.sha256`` sidecar comes after it, and a kill may fall in between)."""
+    return max(int(p.name[5:13]) for p in directory.glob("ckpt-*.pt"))
 
 
 @pytest.mark.timeout(120 + 120 * RUNS)
@@ -130,6 +129,7 @@ def test_a_kill_during_a_save_resumes_from_the_newest_complete_checkpoint_bitwis
             assert f"ckpt-{step:08d}.pt: step {step} done" in res.stdout + res.stderr
         assert digests(res.stdout) == {0: reference, 1: reference}, res.stdout
         assert not temp_files(where / "ck")
+    print(f"\n{kind}: {landed} of {RUNS} kills landed while a temporary file existed")
     assert landed >= RUNS // 2, f"only {landed} of {RUNS} kills landed mid-write"
 
 

@@ -22,11 +22,15 @@ Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/int
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +169,59 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
     a = final_state(out)["model"]
     b = final_state(ref)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _writer_of(job_id: str) -> int | None:
+    """The pid of the job's asynchronous checkpoint writer (rank 0's child, on node1)."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = environ.read_bytes().split(b"\0")
+            cmd = environ.with_name("cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"hpc.checkpoint.writer" in cmd and f"SLURM_JOB_ID={job_id}".encode() in env:
+            return int(environ.parent.name)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_preemption_during_an_asynchronous_save_waits_for_it_then_resumes_bitwise(
+        preemption_partitions: None, tiny_reference: Path, tmp_path: Path,
+        cancel_after: list[str]) -> None:
+    """``hpc pretrain --ckpt-async --ckpt-every 1``: the writer is frozen (SIGSTOP) with
+    a save in flight, so the next save waits for it and training halts; Slurm preempts the
+    job: SIGCONT, then SIGTERM, to every process of the step, the writer included (it
+    ignores SIGTERM). The writer finished that save, the stop waited for it and wrote its
+    own checkpoint, and the job was requeued and resumed bitwise."""
+    env = slurm_env(**ENV)
+    out = tmp_path / "run"
+    job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, *TINY_ARGS, "--out", str(out),
+                            "--ckpt-async", "--ckpt-every", "1"], tmp_path,
+                           slurm_env(**ENV, **slowed(0.3, runs=1)), cancel_after)
+    ckpts = out / "checkpoints"
+    until("checkpoint 4", lambda: (ckpts / "ckpt-00000004.pt").exists(), job_id)
+    writer = _writer_of(job_id)
+    assert writer is not None, "no checkpoint writer process in the job"
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        time.sleep(3)  # the save in flight cannot end, the next waits for it
+        urgent = preempt(tmp_path, env, cancel_after)
+        last = jobwatch.wait(job_id, timeout=200)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # Slurm's SIGCONT came first
+            os.kill(writer, signal.SIGCONT)
+    text = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
+    print(f"sacct:\n{sacct_history([job_id, urgent])}", file=sys.stderr)
+    assert last.word == "COMPLETED", text[-4000:]
+    waited = re.findall(r"waited (\d+\.\d) s for checkpoint ckpt-(\d+)\.pt, still being "
+                        r"written", text)
+    assert waited and float(waited[0][0]) >= 2.0, text[-4000:]
+    stop = re.search(rf"requeued job {job_id} after step (\d+) \(SIGTERM; ", text)
+    assert stop, text[-4000:]
+    assert int(stop[1]) > int(waited[0][1])  # the stop's checkpoint came after that save
+    assert f"resumed from {ckpts}/ckpt-{int(stop[1]):08d}.pt" in text
+    assert "CheckpointError" not in text and "first failure" not in text, text[-4000:]
+    assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
+    assert_no_failure_marks(tmp_path / "hpc-logs" / job_id)
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)
