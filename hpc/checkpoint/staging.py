@@ -122,7 +122,18 @@ class Stage:
                                      dtype=torch.uint8)
 
     def copy(self, payload: Any) -> Any:
-        """Copy ``payload``'s tensors into the buffers; its skeleton (see the module)."""
+        """Copy ``payload``'s tensors into the buffers; its skeleton (see the module).
+
+        The copies use every CPU this process may run on: the other ranks wait for this
+        one meanwhile (``init_torch`` gave each rank its share of the cores)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+        try:
+            return self._copy(payload)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _copy(self, payload: Any) -> Any:
         tensors: dict[Any, tuple[str, torch.Tensor]] = {}  # same -> (first slot, tensor)
         _walk(payload, "", lambda t, slot: tensors.setdefault(_same(t), (slot, t)))
         refs: dict[Any, Any] = {}
