@@ -1,9 +1,10 @@
 """Sharded checkpoints: every rank writes its share, in PyTorch's distributed-checkpoint
 (DCP) layout; loadable at any world size (collective: every rank calls).
 
-Data-parallel ranks hold the same state, and DCP's default planner writes each tensor
-once, by the rank with the fewest bytes so far (whole tensors, never split): each rank
-writes about ``1/N`` of the state where the single-file format
+Data-parallel ranks hold the same state: each tensor of at least ``SPLIT_BYTES`` is
+written in slices, one by each rank (presented to DCP as a DTensor sharded over the
+ranks), and DCP's planner gives each smaller one to the rank with the fewest bytes so far:
+each rank writes about ``1/N`` of the state where the single-file format
 (:mod:`hpc.checkpoint.resume`) has the master write all of it::
 
     path = save_sharded("ckpt", step, model=model, optimizer=opt, meta=meta, keep=3)
@@ -88,6 +89,39 @@ def _masters_buffers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None
     for key in keys:
         tensors[key] = tensors[key].detach().clone()
         dist.broadcast(tensors[key], src=0)
+
+
+#: A replicated CPU tensor this large is written in N slices, one by each rank.
+SPLIT_BYTES = 1 << 20
+_MESH: dict[int, Any] = {}
+
+
+def _split_replicated(tensors: dict[str, Any]) -> None:
+    """Present each large replicated CPU tensor to DCP as a DTensor sharded over every
+    rank, on its first dimension with at least one row per rank: each rank then writes
+    its slice. DCP's planner hands out whole items only, so a model of a few large
+    tensors (6 of 85 MiB over 4 ranks) would leave one rank a third. A load into full
+    tensors (or FSDP2 shards) of any world size reads the slices back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, size = world()
+    if size == 1:
+        return
+    if size not in _MESH:
+        _MESH[size] = init_device_mesh("cpu", (size,))
+    for key, t in tensors.items():
+        if type(t) is not torch.Tensor or t.device.type != "cpu" \
+                or t.numel() * t.element_size() < SPLIT_BYTES:
+            continue
+        dim = next((d for d, n in enumerate(t.shape) if n >= size), None)
+        if dim is None:
+            continue
+        chunks = t.chunk(size, dim)
+        local = chunks[rank] if rank < len(chunks) else t.narrow(dim, 0, 0)
+        tensors[key] = DTensor.from_local(local.contiguous(), _MESH[size], [Shard(dim)],
+                                          run_check=False, shape=t.shape,
+                                          stride=t.stride())
 
 
 def _dcp_failure(e: BaseException) -> str:
@@ -238,6 +272,8 @@ def save_sharded(directory: PathLike, step: int, *, model: nn.Module,
     _agree_or_discard([e for e, _ in started], tmp)
     tmp = Path(started[0][1])
     _masters_buffers(model, tensors["model"])
+    for part in tensors.values():
+        _split_replicated(part)
     named: set[str] = set()
     try:
         written = _dcp("save", tensors, tmp)

@@ -48,17 +48,21 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
 
 @pytest.mark.timeout(200)
 def test_each_of_4_ranks_writes_about_a_quarter(four: tuple[Path, dict[str, Any]]) -> None:
-    """DCP's planner gives each (whole) tensor to the rank with the fewest bytes so far:
-    a greedy assignment, so no rank exceeds the mean by more than its last item, the
-    largest at most (1 MiB of 18 MiB here), plus torch.save's framing of its items. Rank
-    0 also writes ``.metadata`` and ``hpc-meta.pt`` (the ranks' RNG states)."""
+    """Tensors of 1 MiB or more (the 512 x 512 weights and their Adam moments) are
+    written in 4 slices, one per rank; DCP's planner gives each smaller (whole) tensor
+    to the rank with the fewest bytes so far: a greedy assignment, so no rank exceeds
+    the mean by more than its last whole item, plus torch.save's framing of its pieces.
+    Rank 0 also writes ``.metadata`` and ``hpc-meta.pt`` (the ranks' RNG states)."""
     out, sizes = four
     total, shards, written = sizes["tensor_bytes"], sizes["shards"], sizes["written"]
+    pieces = sizes["items"] + 3 * sizes["split"]
     print(f"bytes written per rank: {written} of {total} tensor bytes "
-          f"(rank 0: {written[0] / total:.1%})")
+          f"(rank 0: {written[0] / total:.1%}); {sizes['split']} of {sizes['items']} "
+          "tensors in slices")
+    assert sizes["split"] >= 18
     assert all(s > 0 for s in shards), shards
-    assert sum(shards) <= total + FRAMING * sizes["items"]  # each item once
-    bound = total / 4 + sizes["largest"] + FRAMING * sizes["items"]
+    assert sum(shards) <= total + FRAMING * pieces  # each item once
+    bound = total / 4 + sizes["largest"] + FRAMING * pieces
     assert shards[0] <= bound, (shards, bound)
     meta = (out / f"ckpt-{STEP:08d}.dcp" / ".metadata").stat().st_size + \
         (out / f"ckpt-{STEP:08d}.dcp" / "hpc-meta.pt").stat().st_size

@@ -4,14 +4,14 @@
 BatchNorm statistics differ across ranks) with Adam, trained
 ``--step`` steps on batches drawn from (rank, step) with gradients averaged by
 ``hpc.sync_gradients`` (``--fsdp``: each Linear and then the model ``fully_shard``ed
-over a CPU mesh instead), saved with :func:`save_sharded` at ``--step`` with the
-master's meta (the per-rank RNG states gathered as ``save_checkpoint`` does). Rank 0
+over a CPU mesh instead), saved by ``hpc.save_checkpoint(..., sharded=True)``. Rank 0
 also writes ``reference.pt``: the full model and optimizer state dicts
 (``get_state_dict(full_state_dict=True)``, keyed by parameter name) and each item's
 bytes; then prints ``BYTES {json}``: the bytes of the files each rank wrote.
 
 ``load``: a plain MLP (``--fsdp``: sharded over these ranks) and Adam from another
-seed, :func:`load_sharded` into them; then each rank compares every tensor and
+seed, ``hpc.restore_checkpoint(..., allow_world_change=True)`` into them (the newest
+checkpoint of the directory); then each rank compares every tensor and
 ``param_groups`` with ``reference.pt`` and prints ``rank R: loaded step S bitwise
 (saved by W ranks, whose buffers differed)`` (the master's buffers are saved); a
 difference ends it with 1.
@@ -31,8 +31,7 @@ import torch
 from torch import nn
 
 import hpc
-from hpc.checkpoint.ranks import gather_rank_states
-from hpc.checkpoint.sharded import load_sharded, save_sharded, sharded_path
+from hpc.checkpoint.sharded import SPLIT_BYTES, sharded_path
 from hpc.checkpoint.shardfiles import MANIFEST
 
 
@@ -80,10 +79,8 @@ def save(args: argparse.Namespace, info: hpc.DistInfo) -> None:
             hpc.sync_gradients(model)
         opt.step()
         opt.zero_grad()
-    states = gather_rank_states(model)
-    meta = {"format": 1, "step": args.step, "epoch": 0, "batch": args.step,
-            "world_size": info.world_size, **(states or {})}
-    path = save_sharded(args.out, args.step, model=model, optimizer=opt, meta=meta, keep=2)
+    path = hpc.save_checkpoint(args.out, args.step, model=model, optimizer=opt, keep=2,
+                               batch=args.step, sharded=True)
     reference = full_state(model, opt)
     if info.rank == 0:
         items = [t.numel() * t.element_size() for t in reference["model"].values()]
@@ -97,9 +94,11 @@ def save(args: argparse.Namespace, info: hpc.DistInfo) -> None:
             written[entry["rank"]] += entry["size"]
             if name.endswith(".distcp"):
                 shards[entry["rank"]] += entry["size"]
+        whole = [n for n in items if n < SPLIT_BYTES]  # larger ones: a slice per rank
         print("BYTES " + json.dumps({"written": written, "shards": shards,
-                                     "tensor_bytes": sum(items), "largest": max(items),
-                                     "items": len(items)}), flush=True)
+                                     "tensor_bytes": sum(items), "largest": max(whole),
+                                     "items": len(items), "split": len(items) - len(whole)}),
+              flush=True)
 
 
 def compare(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
@@ -117,7 +116,10 @@ def compare(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 
 def load(args: argparse.Namespace, info: hpc.DistInfo) -> int:
     model, opt = build(args.layers, args.width, seed=1, fsdp=args.fsdp)
-    meta = load_sharded(sharded_path(args.out, args.step), model=model, optimizer=opt)
+    restored = hpc.restore_checkpoint(args.out, model=model, optimizer=opt,
+                                      allow_world_change=True)
+    assert restored is not None and restored.path == str(sharded_path(args.out, args.step))
+    meta = restored.payload
     want = torch.load(Path(args.out) / "reference.pt", weights_only=True)
     bad = compare(full_state(model, opt), want)
     if bad or meta["step"] != args.step or len(meta["rng"]) != meta["world_size"]:
