@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from hpc.checkpoint import asyncsave
-from hpc.checkpoint.files import checkpoint_path, load_latest, restore_rng
+from hpc.checkpoint.files import checkpoint_path, load_latest, restore_rng, set_aside
+from hpc.checkpoint.sharded import load_sharded, save_sharded
+from hpc.checkpoint.shardfiles import is_sharded, list_sharded, verify_sharded
 from hpc.checkpoint.ranks import PER_RANK, gather_rank_states, model_state_for, rank_extra_for
 from hpc.checkpoint.staging import stage_bytes
 from hpc.checkpoint.storage import preflight_once
@@ -47,7 +49,7 @@ from hpc.sync.agree import all_true, broadcast_object, world
 from hpc.watchdog import tracker
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "agree_on_checkpoint",
-           "check_world_size", "load_states", "projected_bytes", "FORMAT"]
+           "check_world_size", "load_states", "projected_bytes", "choose_newest", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +128,7 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                     batch: int = 0, keep: int = 3,
                     extra: Optional[dict[str, Any]] = None,
                     rank_extra: Optional[dict[str, Any]] = None,
-                    blocking: bool = True) -> Path:
+                    blocking: bool = True, sharded: bool = False) -> Path:
     """Checkpoint the state after ``step`` (collective: call it on every rank).
 
     The global master writes ``directory/ckpt-<step>.pt`` atomically with its checksum
@@ -161,6 +163,10 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
             memory, :mod:`hpc.checkpoint.asyncsave`); a writer process writes the file
             while training goes on. The next save, :func:`~hpc.wait_for_checkpoint`
             and the end of the process wait for it; its errors are raised there.
+        sharded: Write ``directory/ckpt-<step>.dcp/`` in PyTorch's distributed-checkpoint
+            layout instead, every rank its share of the weights and optimizer state
+            (:mod:`hpc.checkpoint.sharded`); :func:`restore_checkpoint` loads it at any
+            world size, ``torch.distributed.checkpoint`` without hpc. Synchronous only.
 
     Raises:
         CheckpointError: on every rank, when the master could not write the file, or
@@ -171,6 +177,10 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
         ValueError: ``extra`` uses a reserved key, or ``keep`` is negative.
     """
     clash = sorted(set(extra or ()) & set(RESERVED))
+    if sharded and not blocking:
+        raise ValueError("save_checkpoint: sharded=True is synchronous only.\nHINT: pass "
+                         "blocking=True (every rank writes its share meanwhile), or "
+                         "sharded=False for an asynchronous single-file save.")
     if clash or keep < 0:
         raise ValueError(f"save_checkpoint: extra keys {clash} are reserved ({RESERVED})"
                          if clash else f"save_checkpoint: keep={keep} is negative.\n"
@@ -184,6 +194,10 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
     if rank == 0:
         payload = _payload(path, step, epoch, batch, size, model, optimizer, scheduler,
                            sampler, extra, states)
+    if sharded:
+        meta = {k: v for k, v in (payload or {}).items() if k not in ("model", "optimizer")}
+        return save_sharded(directory, step, model=model, optimizer=optimizer, meta=meta,
+                            keep=keep)
     if not blocking:
         asyncsave.start_save(payload, path, step, keep, rank)
         return path
@@ -270,7 +284,8 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
     """(path, payload) on every rank: the master's choice, loaded by each (collective).
 
     ``choose`` runs on rank 0 only and returns ``(path, error, payload)``; ``(None,
-    None)`` comes back when there is nothing to resume from.
+    None)`` comes back when there is nothing to resume from, ``(path, None)`` for a
+    sharded checkpoint (:func:`hpc.checkpoint.sharded.load_sharded` loads it).
 
     Raises:
         CheckpointError: on every rank, when the master's choice failed or a rank could
@@ -286,6 +301,8 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
         raise CheckpointError(error)
     if path is None:
         return None, None
+    if is_sharded(path):  # collective, into the objects: the caller's load_sharded
+        return path, None
     failure: Optional[CheckpointError] = None
     if payload is None:
         try:
@@ -300,6 +317,35 @@ def agree_on_checkpoint(choose: Chooser) -> tuple[Optional[str], Optional[dict[s
             "HINT: put the checkpoint directory on a filesystem every node mounts (home "
             "or project space, not node-local /tmp).") from failure
     return path, payload
+
+
+def choose_newest(directory: Path, *, set_aside_skipped: bool
+                  ) -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
+    """On the master: ``(path, error, payload)`` of the newest complete checkpoint in
+    ``directory`` of either format (payload ``None`` for a sharded one), ``(None, None,
+    None)`` when there is none. A newer one that is incomplete or corrupt is skipped with
+    a warning (and set aside with ``set_aside_skipped``)."""
+    error, found = None, None
+    try:
+        found = load_latest(directory, set_aside_skipped=set_aside_skipped)
+    except CheckpointError as e:  # no single file loads: a sharded one may
+        error = str(e)
+    newest = int(found[1]["step"]) if found else -1
+    for candidate in reversed(list_sharded(directory)):
+        if int(candidate.name[5:-4]) <= newest:
+            break
+        try:
+            verify_sharded(candidate)
+        except CheckpointError as e:
+            logger.warning("skipping checkpoint %s: %s", candidate.name,
+                           str(e).splitlines()[0])
+            if set_aside_skipped:
+                set_aside(candidate)
+            continue
+        return str(candidate), None, None
+    if found is not None:
+        return str(found[0]), None, found[1]
+    return None, error, None
 
 
 def check_world_size(payload: dict[str, Any], path: str, world: int, allowed: bool,
@@ -328,11 +374,20 @@ def load_states(payload: dict[str, Any], *, model: nn.Module,
     """Put a checkpoint's states into the given objects.
 
     ``per_rank`` (the same world size): this rank's own RNG states and buffers; else
-    the master's buffers and the RNG left as it is (:mod:`hpc.checkpoint.ranks`).
+    the master's buffers and the RNG left as it is (:mod:`hpc.checkpoint.ranks`). A
+    sharded checkpoint's ``meta`` holds no ``"model"``: its weights and optimizer state
+    are already in place (:func:`~hpc.checkpoint.sharded.load_sharded`).
     """
     rank = world()[0]
-    _unwrap(model).load_state_dict(model_state_for(payload, rank, per_rank, path))
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+    if "model" in payload:  # the single file: the master's weights, each rank's buffers
+        _unwrap(model).load_state_dict(model_state_for(payload, rank, per_rank, path))
+        objects = (("optimizer", optimizer), ("scheduler", scheduler))
+    else:  # sharded: load_sharded put the weights and the optimizer state in place
+        own = model_state_for({**payload, "model": {}}, rank, per_rank, path)
+        if own:
+            _unwrap(model).load_state_dict(own, strict=False)
+        objects = (("scheduler", scheduler),)
+    for name, obj in objects:
         if obj is not None:
             if name not in payload:
                 raise CheckpointError(f"the checkpoint holds no {name} state.\nHINT: "
@@ -369,16 +424,12 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
     directory = Path(directory)
     preflight_once(directory, projected_bytes(model, optimizer))  # before step 1
 
-    def choose() -> tuple[Optional[str], Optional[str], Optional[dict[str, Any]]]:
-        try:
-            found = load_latest(directory, set_aside_skipped=True)  # we save here next
-        except CheckpointError as e:
-            return None, str(e), None
-        return (str(found[0]), None, found[1]) if found else (None, None, None)
-
-    path, payload = agree_on_checkpoint(choose)
-    if path is None or payload is None:
+    path, payload = agree_on_checkpoint(
+        lambda: choose_newest(directory, set_aside_skipped=True))  # we save here next
+    if path is None:
         return None
+    if payload is None:  # sharded
+        payload = load_sharded(path, model=model, optimizer=optimizer)
     rank, size = world()
     same = check_world_size(payload, path, size, allow_world_change,
                             "pass allow_world_change=True")

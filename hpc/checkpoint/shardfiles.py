@@ -36,7 +36,7 @@ from typing import Any, Union
 from hpc.checkpoint.files import STALE_TMP_S, _fsync_dir, pid_alive, sha256_file
 from hpc.errors import CheckpointError
 
-__all__ = ["sharded_path", "list_sharded", "verify_sharded", "remove_stale_dirs",
+__all__ = ["sharded_path", "is_sharded", "list_sharded", "verify_sharded", "remove_stale_dirs",
            "prune_sharded", "temp_dir", "shard_digests", "put_in_place", "MANIFEST",
            "META", "DCP_METADATA", "SHARDED_FORMAT"]
 
@@ -61,6 +61,11 @@ PathLike = Union[str, Path]
 def sharded_path(directory: PathLike, step: int) -> Path:
     """The directory of the sharded checkpoint taken after global step ``step``."""
     return Path(directory) / f"ckpt-{step:08d}.dcp"
+
+
+def is_sharded(path: PathLike) -> bool:
+    """Whether ``path`` names a sharded checkpoint (by its name: ``ckpt-<step>.dcp``)."""
+    return bool(_NAME.match(Path(path).name))
 
 
 def list_sharded(directory: PathLike) -> list[Path]:

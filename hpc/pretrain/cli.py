@@ -73,6 +73,9 @@ def _build(p: argparse.ArgumentParser) -> None:
     a("--ckpt-async", action=argparse.BooleanOptionalAction, default=d.ckpt_async,
       help="write the checkpoints taken during training in a writer process while "
       "training goes on (the stop's and the last one are waited for)")
+    a("--ckpt-sharded", action=argparse.BooleanOptionalAction, default=d.ckpt_sharded,
+      help="save checkpoints in PyTorch's distributed-checkpoint layout (ckpt-<step>.dcp/), "
+      "every rank writing its share; resumable at another world size with --elastic")
     a("--max-steps", type=int, default=None,
       help="stop with a checkpoint after this global step (schedule still spans --epochs)")
     a("--elastic", action="store_true",

@@ -51,6 +51,9 @@ class PretrainConfig:
             ``ckpt_every`` steps, at epoch ends) in a writer process
             (``save_checkpoint(blocking=False)``); the stop's and the last one are
             written before the run returns.
+        ckpt_sharded: Save each checkpoint as ``ckpt-<step>.dcp/`` in PyTorch's
+            distributed-checkpoint layout, every rank writing its share (synchronous;
+            it takes precedence over ``ckpt_async``).
         elastic: Allow resuming with a different world size: weights, optimizer and
             schedule continue, the epoch resumes near the same sample count, RNG
             streams are reseeded. Not exact; without it such a resume is refused.
@@ -89,6 +92,7 @@ class PretrainConfig:
     ckpt_every: int = 0
     keep: int = 3
     ckpt_async: bool = False
+    ckpt_sharded: bool = False
     elastic: bool = False
     max_steps: Optional[int] = None
     progress: bool = True

@@ -29,15 +29,18 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
-from hpc.checkpoint.files import list_checkpoints, load_checkpoint, load_latest
+from hpc.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc.checkpoint.resume import (
     FORMAT,
     agree_on_checkpoint,
     check_world_size,
+    choose_newest,
     load_states,
     projected_bytes,
     save_checkpoint,
 )
+from hpc.checkpoint.sharded import load_sharded
+from hpc.checkpoint.shardfiles import is_sharded, list_sharded, verify_sharded
 from hpc.checkpoint.storage import preflight_once
 from hpc.errors import CheckpointError
 from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
@@ -83,7 +86,7 @@ def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
                            scheduler=scheduler, epoch=epoch, batch=batch, keep=cfg.keep,
                            extra={"seed": cfg.seed, "config": cfg.to_dict(),
                                   "val_acc": [float(a) for a in val_acc]},
-                           blocking=blocking)
+                           blocking=blocking or cfg.ckpt_sharded, sharded=cfg.ckpt_sharded)
     return str(path)
 
 
@@ -92,9 +95,10 @@ def _choose(cfg: PretrainConfig, run_dir: Optional[Path]
     """(path, error, payload) on the master: which checkpoint to resume from, if any."""
     ckpt_dir = run_dir / "checkpoints" if run_dir is not None else None
     if cfg.resume == "never":
-        if ckpt_dir is not None and list_checkpoints(ckpt_dir):
+        held = [*list_checkpoints(ckpt_dir), *list_sharded(ckpt_dir)] if ckpt_dir else []
+        if held:
             return None, (
-                f"{ckpt_dir} already holds {len(list_checkpoints(ckpt_dir))} checkpoints "
+                f"{ckpt_dir} already holds {len(held)} checkpoints "
                 "and resume='never' would overwrite them.\n"
                 "HINT: pass --resume auto to continue that run, or a new --out "
                 "directory to start over."), None
@@ -103,14 +107,15 @@ def _choose(cfg: PretrainConfig, run_dir: Optional[Path]
     if target is None or (cfg.resume == "auto" and not target.is_dir()):
         return None, None, None
     try:
+        if is_sharded(target):
+            verify_sharded(target)
+            return str(target), None, None
         if target.is_dir():  # set aside only in the run's own directory: it saves there
             own = ckpt_dir is not None and target.resolve() == ckpt_dir.resolve()
-            found = load_latest(target, set_aside_skipped=own)
-            if found is None:
-                if cfg.resume != "auto":
-                    return None, f"no checkpoint in {target}.\nHINT: check --resume.", None
-                return None, None, None
-            return str(found[0]), None, found[1]
+            found = choose_newest(target, set_aside_skipped=own)
+            if found[0] is None and found[1] is None and cfg.resume != "auto":
+                return None, f"no checkpoint in {target}.\nHINT: check --resume.", None
+            return found
         return str(target), None, load_checkpoint(target)
     except CheckpointError as e:
         return None, str(e), None
@@ -129,8 +134,10 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
     if run_dir is not None:  # where it saves: one directory with room, before step 1
         preflight_once(run_dir / "checkpoints", projected_bytes(model, optimizer))
     path, payload = agree_on_checkpoint(lambda: _choose(cfg, run_dir))
-    if path is None or payload is None:
+    if path is None:
         return Position()
+    if payload is None:  # sharded: the weights and optimizer state go in place now
+        payload = load_sharded(path, model=model, optimizer=optimizer)
     _warn_config_changes(payload.get("config", {}), cfg)
     same = check_world_size(payload, path, world, cfg.elastic, "pass --elastic")
     load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -162,6 +162,33 @@ def test_overlapped_sync_gives_the_same_run(straight: tuple[Path, Any],
     assert _losses(out) == _losses(straight[0])
 
 
+@pytest.mark.timeout(200)
+def test_async_and_sharded_checkpoints_resume_the_same_run(straight: tuple[Path, Any],
+                                                           tmp_path: Path) -> None:
+    """Stopped mid-run and resumed, with ``--ckpt-async`` (a writer process) and with
+    ``--ckpt-sharded`` (DCP directories): the uninterrupted run's final state, bitwise;
+    the sharded run then continues on 1 rank under ``--elastic``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    want = final_state(straight[0])
+    for flag in ("--ckpt-async", "--ckpt-sharded"):
+        out = tmp_path / flag.strip("-")
+        args = (*TINY, flag, "--ckpt-every", "3", "--out", str(out))
+        ok(run(2, *args, "--max-steps", str(STEPS // 2 + 1)))
+        assert "resumed from" in ok(run(2, *args)).stderr
+        if flag == "--ckpt-async":
+            assert_same_state(want, final_state(out))
+            continue
+        newest = max((out / "checkpoints").glob("ckpt-*.dcp"))
+        dcp_to_torch_save(newest, tmp_path / "whole.pt")
+        got = torch.load(tmp_path / "whole.pt", weights_only=True)["model"]
+        assert got.keys() == want["model"].keys()
+        assert all(torch.equal(got[k], want["model"][k]) for k in got)
+    proc = ok(run(1, *args, "--epochs", "3", "--elastic"))
+    assert f"resumed from {newest}" in proc.stderr
+    assert result(out)["status"] == "completed" and result(out)["world_size"] == 1
+
+
 def _losses(run_dir: Path) -> list[tuple[str, ...]]:
     import csv
 

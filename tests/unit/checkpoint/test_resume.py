@@ -355,3 +355,38 @@ def test_a_compiled_model_saves_plain_keys_and_loads_either_way(tmp_path: Path) 
     again = torch.compile(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
     hpc.restore_checkpoint(tmp_path / "a", model=again)   # into a compiled one
     assert torch.equal(again._orig_mod[0].weight, plain[0].weight)
+
+
+def test_restore_takes_the_newest_complete_checkpoint_of_either_format(
+        tmp_path: Path) -> None:
+    """One file at step 4, sharded at 6 and 8; 8 loses a shard byte: the restore skips it
+    (set aside) and resumes bitwise from 6, scheduler, RNG and all; a single file at 10
+    is newer than every sharded one and wins."""
+    a = objects()
+    train(a, 4)
+    hpc.save_checkpoint(tmp_path, 4, **a)
+    train(a, 2)
+    hpc.save_checkpoint(tmp_path, 6, **a, sharded=True)
+    random.random(), np.random.rand()
+    train(a, 3)  # the uninterrupted continuation from step 6
+    hpc.save_checkpoint(tmp_path, 8, **a, sharded=True)
+    shard = next((tmp_path / "ckpt-00000008.dcp").glob("__0_*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    b = objects(seed=1)
+    restored = hpc.restore_checkpoint(tmp_path, **b)
+    assert restored is not None and restored.path == str(tmp_path / "ckpt-00000006.dcp")
+    assert (restored.step, restored.payload["step"]) == (6, 6)
+    assert (tmp_path / "ckpt-00000008.dcp.unloadable").is_dir()
+    train(b, 3)
+    for x, y in zip(a["model"].state_dict().values(), b["model"].state_dict().values()):
+        assert torch.equal(x, y)
+    assert b["scheduler"].last_epoch == a["scheduler"].last_epoch
+    hpc.save_checkpoint(tmp_path, 10, **a)
+    assert hpc.restore_checkpoint(tmp_path, **objects(seed=2)).path.endswith("ckpt-00000010.pt")
+
+
+def test_sharded_saves_are_synchronous() -> None:
+    with pytest.raises(ValueError, match="sharded=True is synchronous only"):
+        hpc.save_checkpoint("unused", 1, **objects(), sharded=True, blocking=False)
