@@ -8,6 +8,10 @@
   writer handle and :func:`wait_for_checkpoint`; :mod:`hpc.checkpoint.staging` copies the
   state into shared memory, :mod:`hpc.checkpoint.writer` is the writer process (and the
   file step every save runs);
+* :mod:`hpc.checkpoint.sharded` — ``save_checkpoint(..., sharded=True)``: every rank writes
+  its share in PyTorch's distributed-checkpoint layout, loadable at any world size;
+  :mod:`hpc.checkpoint.shardfiles` is its directory layer (manifest, verification,
+  listing, removal);
 * :mod:`hpc.checkpoint.storage` — the storage pre-flight: the directory is one directory on
   every node, with room for two checkpoints (run by the first restore or save there);
 * :mod:`hpc.checkpoint.files` — the files: atomic write with a ``.sha256`` sidecar,
