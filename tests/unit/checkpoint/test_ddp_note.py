@@ -4,26 +4,15 @@ is not bitwise (restore_checkpoint says so), on a real one-rank gloo group."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from hpc.checkpoint.resume import _note_ddp_rebuild, _rebuilding_ddp  # noqa: E402
-
-
-@pytest.fixture()
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Compiled(nn.Module):

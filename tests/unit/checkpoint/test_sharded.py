@@ -10,7 +10,6 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from hpc.checkpoint.files import capture_rng  # noqa: E402
@@ -241,15 +239,6 @@ def test_a_model_without_optimizer_and_the_mismatches(tmp_path: Path) -> None:
     text = str(e.value)
     assert "does not fit the given model: missing ['0.bias', '0.weight']" in text
     assert "unexpected ['emb.weight', 'norm.bias'," in text and "HINT: build the" in text
-
-
-@pytest.fixture()
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "compile(ddp)", "ddp(compile)"])
