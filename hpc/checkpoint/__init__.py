@@ -2,6 +2,9 @@
 
 * :mod:`hpc.checkpoint.resume` — :func:`save_checkpoint` / :func:`restore_checkpoint`
   (all ranks call, the global master writes; another world size is refused);
+* :mod:`hpc.checkpoint.choose` — which checkpoint a restore uses: the newest complete one
+  of either format, the master's choice agreed on every rank, and whether its world size
+  fits;
 * :mod:`hpc.checkpoint.ranks` — what each rank keeps of its own (RNG states, buffers that
   differ across ranks, ``rank_extra``): gathered on the master, given back per rank;
 * :mod:`hpc.checkpoint.asyncsave` — ``save_checkpoint(..., blocking=False)``: the master's

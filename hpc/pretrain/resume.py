@@ -30,11 +30,9 @@ from torch import nn
 
 import hpc
 from hpc.checkpoint.files import list_checkpoints, load_checkpoint
+from hpc.checkpoint.choose import agree_on_checkpoint, check_world_size, choose_newest
 from hpc.checkpoint.resume import (
     FORMAT,
-    agree_on_checkpoint,
-    check_world_size,
-    choose_newest,
     load_states,
     projected_bytes,
     save_checkpoint,
