@@ -225,3 +225,43 @@ def test_a_preemption_during_an_asynchronous_save_waits_for_it_then_resumes_bitw
     assert_no_failure_marks(tmp_path / "hpc-logs" / job_id)
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
+
+
+RESUME_EXACT = str(ROOT / "tests" / "integration" / "scripts" / "resume_exact.py")
+EXACT = r"rank (\d): done step (\d+) digest (\w+) history (\w+)"
+
+
+@pytest.mark.timeout(300)
+def test_a_users_batchnorm_script_preempted_by_slurm_resumes_bitwise_on_every_rank(
+        preemption_partitions: None, tmp_path: Path, cancel_after: list[str]) -> None:
+    """The own-script case of #27 item 5 under a real partition preemption: a CNN with
+    BatchNorm (its running statistics each rank's own under ``hpc.sync_gradients``),
+    dropout, Adam + StepLR, gradient accumulation and a ``ResumableSampler``; every
+    rank's weights, buffers and loss history end equal to an uninterrupted run's."""
+    env = slurm_env(**ENV)
+    ref_id, rc, ref_text = sbatch_wait(["-p", "debug", TEMPLATE, "python", RESUME_EXACT,
+                                        "--out", str(tmp_path / "reference")], tmp_path,
+                                       timeout=180, env=env)
+    assert rc == 0, ref_text[-3000:]
+    reference = sorted(re.findall(EXACT, ref_text))
+    assert [r for r, *_ in reference] == ["0", "1", "2", "3"], ref_text[-3000:]
+    assert len({d for _, _, d, _ in reference}) > 1  # the ranks' own BatchNorm statistics
+
+    out = tmp_path / "run"
+    job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "python", RESUME_EXACT, "--out",
+                            str(out)], tmp_path, slurm_env(**ENV, **slowed(0.25, runs=1)),
+                           cancel_after)
+    log = tmp_path / f"hpc-srun-{job_id}.out"
+    until("training", lambda: log.exists() and "initialised slurm rank 0/4" in log.read_text(),
+          job_id)
+    time.sleep(2)
+    urgent = preempt(tmp_path, env, cancel_after)
+    last = jobwatch.wait(job_id, timeout=200)
+    text = log.read_text()
+    print(f"sacct:\n{sacct_history([job_id, urgent])}", file=sys.stderr)
+    assert last.word == "COMPLETED", text[-4000:]
+    stops = re.findall(r"rank (\d): stopped at step (\d+)", text)
+    assert sorted(r for r, _ in stops) == ["0", "1", "2", "3"], text[-4000:]
+    assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
+    assert "resumed from" in text
+    assert sorted(re.findall(EXACT, text)) == reference  # every rank, bitwise
