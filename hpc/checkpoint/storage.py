@@ -105,8 +105,8 @@ def preflight(directory: os.PathLike[str] | str, need_bytes: int) -> StorageRepo
                            tuple(dict.fromkeys(v.host for v in views)))
     if rank == 0:
         logger.info("storage pre-flight: %s is one directory on %d host(s), %s free, "
-                    "fsync %.4f s", path, len(report.hosts), _size(report.free_bytes),
-                    fsync_s)
+                    "fsync %.4f s", os.fspath(directory), len(report.hosts),
+                    _size(report.free_bytes), fsync_s)
         if fsync_s > FSYNC_WARN_S:
             logger.warning(
                 "storage pre-flight: one fsync in %s took %.2f s (over %g s).\nEvery "

@@ -27,7 +27,8 @@ _VARYING = [(re.compile(r"\b\d\d:\d\d:\d\d\b"), "<time>"),
             # The bits of trained weights follow the CPU's vector units (AVX-512 or AVX2
             # sums round differently): the checks compare a run's digests with each other.
             (re.compile(r"\b(final|digest) [0-9a-f]{12,16}\b"), r"\1 <digest>"),
-            (re.compile(r"\bchecksum -?\d+\.\d+"), "checksum <sum>")]
+            (re.compile(r"\bchecksum -?\d+\.\d+"), "checksum <sum>"),
+            (re.compile(r"\d+\.\d [KMG]iB free, fsync \d+\.\d+ s"), "<free> free, fsync <s>")]
 
 
 def documented_runs(page: str, command: str) -> list[list[str]]:
