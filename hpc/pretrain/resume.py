@@ -70,13 +70,15 @@ def set_determinism(enabled: bool) -> None:
 
 def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
          optimizer: torch.optim.Optimizer, scheduler: Any, *, step: int, epoch: int,
-         batch: int, val_acc: list[float], blocking: bool = True) -> Optional[str]:
+         batch: int, val_acc: list[float], blocking: bool = True,
+         sharded: bool = False) -> Optional[str]:
     """Checkpoint the state after ``step`` (collective: gathers every rank's RNG).
 
     ``epoch``/``batch`` are the position of the *next* step. Only the global master
     writes; it keeps the newest ``cfg.keep`` checkpoints. Returns the path (on every
     rank), or ``None`` when there is no run directory. ``blocking=False``: written by the
-    writer process (:mod:`hpc.checkpoint.asyncsave`) while training goes on.
+    writer process (:mod:`hpc.checkpoint.asyncsave`) while training goes on; ``sharded``:
+    every rank writes its share (:mod:`hpc.checkpoint.sharded`), synchronously.
     """
     if run_dir is None:
         return None
@@ -84,7 +86,7 @@ def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
                            scheduler=scheduler, epoch=epoch, batch=batch, keep=cfg.keep,
                            extra={"seed": cfg.seed, "config": cfg.to_dict(),
                                   "val_acc": [float(a) for a in val_acc]},
-                           blocking=blocking or cfg.ckpt_sharded, sharded=cfg.ckpt_sharded)
+                           blocking=blocking or sharded, sharded=sharded)
     return str(path)
 
 
