@@ -232,12 +232,19 @@ def wait_for_checkpoint() -> None:
 
 
 def _at_exit() -> None:
-    """The master's last act: wait for the save in flight, then end the writer."""
+    """The master's last act: wait for the save in flight, then end the writer; when that
+    save failed, end the process with status 1 (the error is logged)."""
     global _WRITER
     if _WRITER is None:
         return
     error = _WRITER.wait()
-    if error is not None:
-        logger.error("the last asynchronous checkpoint failed: %s", error)
     _WRITER.close()
     _WRITER = None
+    if error is not None:  # a job that lost its last checkpoint must not end with 0
+        logger.error("the last asynchronous checkpoint failed (exit status 1): %s\nHINT: "
+                     "call hpc.wait_for_checkpoint() on every rank before the script "
+                     "ends: it raises this on every rank.", error)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

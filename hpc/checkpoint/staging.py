@@ -38,7 +38,8 @@ __all__ = ["Stage", "TensorRef", "rebuild", "stage_bytes", "stage_root", "OWN_FI
 
 #: A tensor this large gets a file of its own (the writer maps it, no copy).
 OWN_FILE_BYTES = 1 << 20
-#: Room left free on the stage's filesystem (others use ``/dev/shm`` too).
+#: Room left free on the stage's filesystem (others use ``/dev/shm`` too): this much, or
+#: an eighth of the filesystem when that is less (a container's 64 MiB ``/dev/shm``).
 MARGIN_BYTES = 64 << 20
 _PACK_ALIGN = 64
 _DIR = re.compile(r"^hpc-stage-(\d+)-\d+$")
@@ -108,11 +109,12 @@ class Stage:
 
         A write into a mapped tmpfs page that has no room is a SIGBUS, not an error, so
         this is asked first: the buffers already made are reused, the rest must fit
-        with :data:`MARGIN_BYTES` to spare."""
+        with :data:`MARGIN_BYTES` (or an eighth of the filesystem) to spare."""
         made = sum(buf.numel() for _, buf in self._own.values())
         made += self._pack.numel() if self._pack is not None else 0
         st = os.statvfs(self.dir)
-        need = stage_bytes(payload) - made + MARGIN_BYTES
+        margin = min(MARGIN_BYTES, st.f_blocks * st.f_frsize // 8)
+        need = stage_bytes(payload) - made + margin
         return max(0, need - st.f_bavail * st.f_frsize)
 
     def _new_file(self, nbytes: int) -> tuple[str, torch.Tensor]:
@@ -219,20 +221,28 @@ def _walk(value: Any, slot: str, seen: Any) -> None:
             _walk(v, f"{slot}/{i}", seen)
 
 
-def _map(value: Any, change: Any, kind: type = torch.Tensor) -> Any:
-    """``value`` with every instance of ``kind`` in it replaced by ``change(it)``."""
+def _map(value: Any, change: Any, kind: type = torch.Tensor,
+         memo: Optional[dict[int, Any]] = None) -> Any:
+    """``value`` with every instance of ``kind`` in it replaced by ``change(it)``; a
+    container met twice (a scheduler's state shares lists) comes back as one, as pickle
+    keeps it."""
+    memo = {} if memo is None else memo
     if isinstance(value, kind):
         return change(value)
+    if not isinstance(value, (dict, list, tuple)):
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
     if isinstance(value, dict):
-        new = type(value)((k, _map(v, change, kind)) for k, v in value.items())
+        new: Any = type(value)((k, _map(v, change, kind, memo)) for k, v in value.items())
         if getattr(value, "__dict__", None):  # state_dict()'s _metadata
             new.__dict__.update(value.__dict__)
-        return new
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_map(v, change, kind) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, change, kind) for v in value)
-    return value
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        new = type(value)(*(_map(v, change, kind, memo) for v in value))
+    else:
+        new = type(value)(_map(v, change, kind, memo) for v in value)
+    memo[id(value)] = new
+    return new
 
 
 def rebuild(skeleton: Any, directory: Path, cache: dict[str, torch.Tensor]) -> Any:

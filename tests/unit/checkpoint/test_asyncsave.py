@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,8 +56,9 @@ def trained(steps: int = 2, seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
 @pytest.fixture(autouse=True)
 def _end_writer() -> object:
     yield
-    asyncsave._at_exit()  # each test starts without a writer
-    asyncsave._IN_FLIGHT = None
+    if asyncsave._WRITER is not None:  # each test starts without a writer
+        asyncsave._WRITER.close()
+    asyncsave._WRITER, asyncsave._IN_FLIGHT = None, None
 
 
 def test_an_asynchronous_file_is_byte_for_byte_the_synchronous_one(tmp_path: Path) -> None:
@@ -140,26 +143,64 @@ def test_a_value_the_loader_refuses_is_named_at_the_wait(tmp_path: Path) -> None
     assert list_checkpoints(tmp_path) == []
 
 
-def test_no_room_to_stage_saves_synchronously_with_one_warning(
+def test_a_containers_64_mib_shm_stages_a_small_state_and_not_a_large_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """A 72 MiB tmpfs as HPC_STAGE_DIR cannot hold a 32 MiB state with the 64 MiB
-    margin: both saves are written (synchronously), one warning says why."""
+    """A 64 MiB tmpfs as HPC_STAGE_DIR (docker's default /dev/shm) keeps an eighth free:
+    a 4 MiB state is staged; a 60 MiB one is written synchronously (both saves), with
+    one warning saying why."""
     model, _ = trained(steps=0)
-    state = {"w": torch.randn(8 << 20)}
-    with nearly_full_tmpfs(tmp_path / "stage", size_mib=72, fill_mib=0) as stage:
+    small, large = {"w": torch.randn(1 << 20)}, {"w": torch.randn(15 << 20)}
+    with nearly_full_tmpfs(tmp_path / "stage", size_mib=64, fill_mib=0) as stage:
         monkeypatch.setenv("HPC_STAGE_DIR", str(stage))
         with caplog.at_level(logging.DEBUG, logger="hpc.checkpoint.asyncsave"):
-            for step in (1, 2):
-                hpc.save_checkpoint(tmp_path / "ck", step, model=model, extra=state,
+            hpc.save_checkpoint(tmp_path / "ck", 1, model=model, extra=small, blocking=False)
+            hpc.wait_for_checkpoint()
+            assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+            asyncsave._WRITER.close()  # its buffers would stay in the small tmpfs
+            asyncsave._WRITER = None
+            for step in (2, 3):
+                hpc.save_checkpoint(tmp_path / "ck", step, model=model, extra=large,
                                     blocking=False)
             hpc.wait_for_checkpoint()
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1, caplog.text
     assert f"{stage} lacks" in warned[0].getMessage()
     assert "HINT: point HPC_STAGE_DIR" in warned[0].getMessage()
-    assert [torch.equal(load_checkpoint(p)["w"], state["w"])
-            for p in list_checkpoints(tmp_path / "ck")] == [True, True]
+    assert [torch.equal(load_checkpoint(p)["w"], w["w"]) for p, w in zip(
+        list_checkpoints(tmp_path / "ck"), (small, large, large))] == [True] * 3
+
+
+def test_a_schedulers_shared_lists_stay_shared_byte_for_byte(tmp_path: Path) -> None:
+    """SequentialLR's state holds its schedulers' states and lists met twice: pickle
+    writes such an object once, so the staged copy must keep them one object."""
+    model, opt = trained()
+    first = torch.optim.lr_scheduler.LinearLR(opt, total_iters=2)
+    then = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [first, then], milestones=[2])
+    sched.step()
+    sync = hpc.save_checkpoint(tmp_path / "sync", 1, model=model, optimizer=opt,
+                               scheduler=sched)
+    path = hpc.save_checkpoint(tmp_path / "async", 1, model=model, optimizer=opt,
+                               scheduler=sched, blocking=False)
+    hpc.wait_for_checkpoint()
+    assert path.read_bytes() == sync.read_bytes()
+
+
+def test_a_failed_last_save_ends_the_process_with_status_1(tmp_path: Path) -> None:
+    """No wait_for_checkpoint before the end: the exit waits, and a failed save makes the
+    exit status 1 (a requeue loop must not count the job a success)."""
+    script = (
+        "import numpy as np, torch, hpc\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        f"hpc.save_checkpoint({str(tmp_path)!r}, 1, model=m, extra={{'x': np.float64(1)}},"
+        " blocking=False)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "the last asynchronous checkpoint failed (exit status 1)" in proc.stderr
+    assert "['x'] is a numpy.float64" in proc.stderr
+    assert list_checkpoints(tmp_path) == []
 
 
 def test_a_stage_left_by_a_dead_process_is_removed(tmp_path: Path) -> None:
