@@ -27,8 +27,7 @@ from typing import Any, Optional
 
 from hpc.errors import CheckpointError
 
-__all__ = ["Writer", "start_save", "settle", "wait_for_checkpoint", "in_flight",
-           "WAIT_NOTE_S"]
+__all__ = ["Writer", "start_save", "settle", "wait_for_checkpoint", "WAIT_NOTE_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +172,6 @@ class Writer:
             self.answers.close()
         if self.stage is not None:
             self.stage.close()
-
-
-def in_flight() -> Optional[str]:
-    """The path of the asynchronous save this rank is waiting on, or None."""
-    return _IN_FLIGHT
 
 
 def start_save(payload: Optional[dict[str, Any]], path: Path, step: int, keep: int,

@@ -185,7 +185,7 @@ def save_checkpoint(directory: PathLike, step: int, *, model: nn.Module,
                          if clash else f"save_checkpoint: keep={keep} is negative.\n"
                          "HINT: keep=0 keeps every checkpoint.")
     asyncsave.settle()  # the previous save first: at most one in flight
-    preflight_once(directory, projected_bytes(model, optimizer))  # the first save here
+    preflight_once(directory, lambda: projected_bytes(model, optimizer))  # the first save here
     rank, size = world()
     states = gather_rank_states(_unwrap(model), rank_extra)
     path = checkpoint_path(directory, step)
@@ -333,7 +333,7 @@ def restore_checkpoint(directory: PathLike, *, model: nn.Module,
             ``allow_world_change``.
     """
     directory = Path(directory)
-    preflight_once(directory, projected_bytes(model, optimizer))  # before step 1
+    preflight_once(directory, lambda: projected_bytes(model, optimizer))  # before step 1
 
     path, payload = agree_on_checkpoint(
         lambda: choose_newest(directory, set_aside_skipped=True))  # we save here next

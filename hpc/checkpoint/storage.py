@@ -25,7 +25,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from hpc.errors import CheckpointError
 from hpc.sync.agree import broadcast_object, gather_objects, world
@@ -117,8 +117,11 @@ def preflight(directory: os.PathLike[str] | str, need_bytes: int) -> StorageRepo
 
 
 def preflight_once(directory: os.PathLike[str] | str,
-                   need_bytes: int) -> Optional[StorageReport]:
+                   need_bytes: Callable[[], int]) -> Optional[StorageReport]:
     """:func:`preflight` at the first call for ``directory`` in this process, else ``None``.
+
+    ``need_bytes()`` gives the checkpoint's size; it is called only when the check runs
+    (every save calls this: the size is not computed again each time).
 
     Collective, like :func:`preflight`: every rank calls it with the same arguments. The
     key is the absolute path as written, not with symlinks resolved (they may differ
@@ -127,7 +130,7 @@ def preflight_once(directory: os.PathLike[str] | str,
     key = os.path.abspath(os.fspath(directory))
     if key in _CHECKED:
         return None
-    report = preflight(directory, need_bytes)
+    report = preflight(directory, need_bytes())
     _CHECKED.add(key)
     return report
 

@@ -132,7 +132,8 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
             ``cfg.elastic``.
     """
     if run_dir is not None:  # where it saves: one directory with room, before step 1
-        preflight_once(run_dir / "checkpoints", projected_bytes(model, optimizer))
+        preflight_once(run_dir / "checkpoints",
+                       lambda: projected_bytes(model, optimizer))
     path, payload = agree_on_checkpoint(lambda: _choose(cfg, run_dir))
     if path is None:
         return Position()

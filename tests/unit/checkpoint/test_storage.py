@@ -8,6 +8,7 @@ import logging
 import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,19 +99,25 @@ def test_a_full_filesystem_is_refused_and_left_without_a_token(tmp_path: Path) -
 
 
 def test_preflight_once_checks_each_directory_once(tmp_path: Path) -> None:
-    first = timed(preflight_once, tmp_path / "a", 1)
+    sized: list[str] = []
+
+    def size(name: str) -> Callable[[], int]:
+        return lambda: sized.append(name) or 1
+
+    first = timed(preflight_once, tmp_path / "a", size("a"))
     assert first is not None and first.path == str(tmp_path / "a")
-    assert preflight_once(tmp_path / "a", 1) is None
-    assert preflight_once(f"{tmp_path}/a/", 1) is None  # the same directory, written so
-    assert preflight_once(tmp_path / "b", 1) is not None
+    assert preflight_once(tmp_path / "a", size("a again")) is None
+    assert preflight_once(f"{tmp_path}/a/", size("a/")) is None  # the same directory
+    assert preflight_once(tmp_path / "b", size("b")) is not None
+    assert sized == ["a", "b"]  # the size is taken only for a check that runs
 
 
 def test_a_failed_check_is_not_cached(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError):
-        preflight_once(tmp_path / "file" / "ckpt", 1)
+        preflight_once(tmp_path / "file" / "ckpt", lambda: 1)
     with pytest.raises(CheckpointError):
-        preflight_once(tmp_path / "file" / "ckpt", 1)
+        preflight_once(tmp_path / "file" / "ckpt", lambda: 1)
 
 
 def test_a_slow_fsync_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
