@@ -41,7 +41,7 @@ from hpc.errors import CheckpointError
 
 __all__ = ["save_atomic", "list_checkpoints", "prune", "load_checkpoint", "load_latest",
            "set_aside", "remove_stale_temps", "checkpoint_path", "capture_rng",
-           "restore_rng", "sha256_file", "UNLOADABLE", "STALE_TMP_S"]
+           "restore_rng", "sha256_file", "fsync_dir", "pid_alive", "UNLOADABLE", "STALE_TMP_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ def sha256_file(path: PathLike) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory, so a rename or removal in it survives a crash."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - e.g. platforms without directory fds
@@ -155,7 +156,7 @@ def _write_atomic(path: Path, write: Any,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def save_atomic(obj: Any, path: PathLike) -> Path:
@@ -256,7 +257,7 @@ def set_aside(path: PathLike) -> Optional[Path]:
         logger.warning("could not set aside %s (%s): keep-N counts it as a checkpoint "
                        "until it is deleted", path, e)
         return None
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     logger.warning("set aside as %s (it does not load; rename it back to try it again)",
                    target.name)
     return target

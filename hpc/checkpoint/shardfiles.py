@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Union
 
-from hpc.checkpoint.files import STALE_TMP_S, _fsync_dir, pid_alive, sha256_file
+from hpc.checkpoint.files import STALE_TMP_S, fsync_dir, pid_alive, sha256_file
 from hpc.errors import CheckpointError
 
 __all__ = ["sharded_path", "is_sharded", "list_sharded", "verify_sharded", "remove_stale_dirs",
@@ -253,11 +253,11 @@ def put_in_place(tmp: Path, final: Path, step: int, shards: list[Digests],
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, tmp / MANIFEST)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = _own("del", final) if final.exists() else None
     if old is not None:
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
