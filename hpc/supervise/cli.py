@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
                 else args.max_restarts)
     srun_args = tuple(a for a in (args.srun_arg or []))
     return supervise(Options(tuple(command), int(spares), int(restarts), args.elastic,
-                             srun_args))
+                             srun_args, args.torchrun))
 
 
 def add_parser(sub: Any) -> None:
@@ -53,6 +53,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--srun-arg", action="append", metavar="ARG",
                    help="one more srun option for every attempt (repeatable), e.g. "
                    "--srun-arg=--cpus-per-task=4")
+    p.add_argument("--torchrun", type=int, default=0, metavar="NPROC",
+                   help="run one torchrun per host with NPROC workers (COMMAND is what follows "
+                   "torchrun's options: -m hpc pretrain ..., train.py, --no-python CMD); the "
+                   "rendezvous is on each attempt's first host (slurm/torchrun.sbatch)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     p.set_defaults(func=_run, parser=p)
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpc.supervise import plan as plans
+from hpc.supervise.launch import srun_argv
 from hpc.supervise.progress import read_progress
 from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import failure
@@ -76,11 +77,15 @@ class Options:
     max_restarts: int = 3
     elastic: bool = False
     srun_args: tuple[str, ...] = ()
+    #: Workers per host under torchrun (``slurm/torchrun.sbatch``); 0: one task per rank.
+    torchrun: int = 0
 
 
 def say(message: str) -> None:
-    """One decision line, on the job's output (stderr, whole, flushed)."""
-    os.write(2, f"hpc supervise: {message}\n".encode(errors="replace"))
+    """One decision line, on the job's output (stderr, whole, flushed), with the time of
+    day the ranks' lines carry (``20:16:44 hpc supervise: ...``)."""
+    os.write(2, f"{time.strftime('%H:%M:%S')} hpc supervise: {message}\n".encode(
+        errors="replace"))
 
 
 def _run(argv: Sequence[str], timeout: float = 30) -> str:
@@ -187,22 +192,16 @@ class Attempt:
     """One srun of the command on ``hosts``: started, watched, its evidence gathered."""
 
     def __init__(self, opts: Options, hosts: Sequence[str], per_node: int,
-                 error_dir: Path, env: Mapping[str, str], port: int = 6818) -> None:
+                 error_dir: Path, env: Mapping[str, str], port: int = 6818,
+                 attempt: int = 0) -> None:
         self.hosts = list(hosts)
         self.error_dir = error_dir
         self.name = f"hpc-attempt-{uuid.uuid4().hex[:8]}"
         self.lines: list[str] = []
         self.lost: dict[str, str] = {}
-        n = len(hosts)
-        # --overlap: a cancelled step whose host cannot be reached (a cut link) keeps its
-        # CPUs on the healthy hosts until Slurm hears from that host again (SlurmdTimeout,
-        # 300 s by default); without it the relaunch waited for them ("Requested nodes are
-        # busy"). Only one attempt runs at a time: the supervisor ends one before the next.
-        self.argv = ["srun", "--label", "--kill-on-bad-exit=1", "--overlap",
-                     f"--job-name={self.name}",
-                     f"--nodes={n}", f"--ntasks={n * per_node}",
-                     f"--ntasks-per-node={per_node}", f"--nodelist={','.join(hosts)}",
-                     *opts.srun_args, *opts.command]
+        self.argv = srun_argv(opts.command, self.hosts, per_node, self.name,
+                              srun_args=opts.srun_args, torchrun=opts.torchrun,
+                              attempt=attempt, environ=env)
         self.reach = Reachability(_addresses(self.hosts), port)
         self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True,
                                      env=dict(env), errors="replace")
@@ -306,6 +305,17 @@ def _restart_line(verdict: Verdict, decision: plans.Decision, step: Optional[int
     return f"{head}; {decision.why}"
 
 
+def _error_dir(env: Mapping[str, str]) -> Path:
+    """Where the first attempt's ranks mark their failures: ``HPC_ERROR_DIR``, else what
+    ``slurm/pretrain.sbatch`` gives it (``HPC_LOG_DIR/failures-<restart count>``, the log
+    directory defaulting to ``hpc-logs/<job id>`` in the submit directory)."""
+    if env.get("HPC_ERROR_DIR"):
+        return Path(env["HPC_ERROR_DIR"])
+    logs = env.get("HPC_LOG_DIR") or str(Path(env.get("SLURM_SUBMIT_DIR") or ".") / "hpc-logs"
+                                         / env.get("SLURM_JOB_ID", "0"))
+    return Path(logs) / f"failures-{env.get('SLURM_RESTART_COUNT') or 0}"
+
+
 def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int:
     """Run ``opts.command`` under supervision; the exit status the job should end with."""
     env = dict(os.environ if environ is None else environ)
@@ -316,11 +326,12 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
             "nodes leaves no host to run on.\nHINT: run inside an sbatch allocation of more "
             "nodes than --spare-nodes.")
         return 2
-    base = Path(env.get("HPC_ERROR_DIR") or Path(env.get("HPC_LOG_DIR", ".")) / "failures")
+    base = _error_dir(env)
     progress = base.parent / "progress.json"
     state = plans.State(tuple(hosts), nodes, opts.max_restarts, opts.elastic)
     per_node, port = tasks_per_node(env), slurmd_port()
-    say(f"{nodes} of {len(hosts)} hosts, {per_node} tasks each"
+    each = f"torchrun with {opts.torchrun} workers" if opts.torchrun else f"{per_node} tasks"
+    say(f"{nodes} of {len(hosts)} hosts, {each} each"
         + (f"; spares {','.join(hosts[nodes:])}" if opts.spare_nodes else "")
         + f"; up to {opts.max_restarts} restarts")
     attempt, run_on = 0, state.hosts()
@@ -332,7 +343,7 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
             error_dir.mkdir(parents=True, exist_ok=True)
             before = read_progress(progress)
             run = Attempt(opts, run_on, per_node, error_dir,
-                          _attempt_env(env, error_dir, progress, attempt), port)
+                          _attempt_env(env, error_dir, progress, attempt), port, attempt)
             code = run.wait()
             verdict = classify(run.evidence(code))
             if not verdict.restartable:

@@ -183,7 +183,10 @@ def classify(e: Evidence) -> Verdict:
     stuck = _stuck(e)
     killed = _signal_deaths(e, stuck)
     if killed:
-        what = {x.host: x.what for x in e.exits if x.host in killed and not x.after_cancel}
+        what: dict[str, str] = {}
+        for x in e.exits:
+            if x.host in killed and not x.after_cancel and not x.what.startswith("Exited"):
+                what.setdefault(x.host, x.what)
         return Verdict(INFRASTRUCTURE, tuple(killed), "; ".join(
             f"{h}: {_ranks(r)} {what[h]} by a signal, no failure mark" for h, r in killed.items()))
     if len(stuck) == 1 and len(set(e.hosts)) > 1:

@@ -32,6 +32,7 @@ import faulthandler
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -330,11 +331,23 @@ class SrunExit:
 _CANCEL = re.compile(r"srun: .*(?:Terminating|Force Terminated) (?:StepId|job step)")
 
 
+#: torchrun's failure summary (``ChildFailedError``), one field a line, after srun's label.
+_TORCHRUN_FIELD = re.compile(r"^(?:(?P<label>\d+): )?\s+(?P<key>host|rank|exitcode)\s+: "
+                             r"(?P<value>\S+)")
+_TORCHRUN_ROOT = re.compile(r"^(?:(?P<label>\d+): )?Root Cause \(first observed failure\)")
+
+
 def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
     """srun's error lines about tasks, in the order srun printed them (the one parser of
-    them: ``hpc first-failure`` and ``hpc supervise`` read the same lines)."""
+    them: ``hpc first-failure`` and ``hpc supervise`` read the same lines).
+
+    Under torchrun a task is a host's agent, and the ranks are its workers: the root cause
+    of the agent's failure summary (``host : node2``, ``rank : 3 (local_rank: 1)``,
+    ``exitcode : -9``), a worker killed by a signal, is ``SrunExit("node2", (3,),
+    "Killed")``. Its other failures are the workers the agent ended itself (SIGTERM)."""
     out: list[SrunExit] = []
     cancelled = False
+    summary: dict[str, dict[str, str]] = {}  # srun label -> the root cause being read
     for line in lines:
         m = _SRUN_ERROR.search(line)
         if m:
@@ -342,6 +355,19 @@ def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
                                 cancelled))
         elif _CANCEL.search(line):
             cancelled = True
+        elif (root := _TORCHRUN_ROOT.match(line)) is not None:
+            summary[root["label"] or ""] = {}
+        elif (f := _TORCHRUN_FIELD.match(line)) is not None and (f["label"] or "") in summary:
+            failure = summary[f["label"] or ""]
+            failure[f["key"]] = f["value"]
+            if f["key"] != "exitcode":
+                continue
+            del summary[f["label"] or ""]
+            code = failure["exitcode"]
+            if code.startswith("-") and code[1:].isdigit() and failure.get("rank", "").isdigit():
+                what = signal.strsignal(int(code[1:])) or f"signal {code[1:]}"
+                out.append(SrunExit(failure.get("host", "?").split(".")[0],
+                                    (int(failure["rank"]),), what, cancelled))
     return out
 
 

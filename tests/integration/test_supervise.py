@@ -94,7 +94,7 @@ def _hostnames(nodelist: str) -> list[str]:
 
 
 def _decisions(text: str) -> list[str]:
-    return [x for x in text.splitlines() if x.startswith("hpc supervise: attempt")]
+    return [x for x in text.splitlines() if re.match(r"\d\d:\d\d:\d\d hpc supervise: attempt", x)]
 
 
 @pytest.mark.timeout(300)
@@ -109,7 +109,7 @@ def test_a_crashed_node_is_replaced_by_the_spare_and_the_run_ends_bitwise(
                                     TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path,
                                    timeout=240, env=env)
     assert rc == 0, text[-4000:]
-    assert "hpc supervise: 2 of 3 hosts, 2 tasks each; spares node3" in text, text[-4000:]
+    assert " hpc supervise: 2 of 3 hosts, 2 tasks each; spares node3" in text, text[-4000:]
     decisions = _decisions(text)
     assert len(decisions) == 1 and text.count("cancelling it") == 1, text[-4000:]
     assert re.search(r"attempt 0 failed: node2: ranks 2-3 .* -> infrastructure \(node2 "
@@ -233,3 +233,36 @@ def test_a_cut_link_is_found_on_slurmds_port_and_the_step_goes_on_without_the_no
     assert_same_final_weights(out, tiny_reference)
     print(f"link cut to resumed: {resumed:.1f} s", file=sys.stderr)
     assert resumed <= RESUMED_WITHIN_S, text[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_template_replaces_the_crashed_host_and_moves_the_rendezvous(
+        tiny_reference: Path, tmp_path: Path) -> None:
+    """``slurm/torchrun.sbatch`` under ``HPC_SPARE_NODES=1``: one torchrun per host. The c10d
+    rendezvous gives ranks 2-3 to either host, so the crashed host is read from the log;
+    when it is node1, the relaunch's rendezvous moves to node2 (the new first host)."""
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1", HPC_NPROC_PER_NODE="2",
+                    HPC_FAULT=CRASH_NODE2)
+    job_id, rc, text = sbatch_wait(["-p", "four", "-N3", "--ntasks-per-node=1", "--no-kill",
+                                    str(ROOT / "slurm" / "torchrun.sbatch"), *TINY_ARGS,
+                                    "--out", str(out)], tmp_path, timeout=240, env=env)
+    assert rc == 0, text[-4000:]
+    assert " hpc supervise: 2 of 3 hosts, torchrun with 2 workers each; spares node3" in text
+    crashed = re.search(r"\[rank 2/4 (\S+)\] WARNING hpc.health.fault: HPC_FAULT", text)
+    assert crashed, text[-4000:]
+    host = crashed[1]
+    healthy = "node2" if host == "node1" else "node1"
+    decisions = _decisions(text)
+    assert len(decisions) == 1, text[-4000:]
+    assert re.search(rf"attempt 0 failed: {host}: rank [23] Killed by a signal, no failure "
+                     rf"mark -> infrastructure \({host} excluded\); relaunching on "
+                     rf"{healthy},node3 from step 6 ", decisions[0]), decisions
+    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]
+    assert [s.host for s in Ledger().strikes()] == [host]
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)
+    took = _fault_to_resume_s(text)
+    print(f"torchrun: crash on {host} to resumed: {took:.0f} s; {decisions[0]}",
+          file=sys.stderr)
+    assert took <= RESUMED_WITHIN_S, text[-4000:]

@@ -157,3 +157,41 @@ def test_a_host_silent_on_slurmds_port_for_6_s_is_unreachable_one_that_answers_a
     v = classify(Evidence(-9, (), {}, ("node1", "node2"), {"node2": "unreachable"}))
     assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node2",))
     assert v.evidence == "node2: no answer on slurmd's port (node unreachable)"
+
+
+def _torchrun_summary(label: str, root: tuple[str, int, str], other: tuple[str, int, str]) -> list:
+    """torchrun's ChildFailedError summary as a labelled srun task prints it (the format of
+    torch 2.13's, copied from a real run: rank 1 SIGKILLed itself, the agent then ended
+    rank 0 with SIGTERM)."""
+    def entry(i: int, e: tuple[str, int, str]) -> list:
+        host, rank, code = e
+        return [f"[{i}]:", "  time      : 2026-12-05_02:08:03", f"  host      : {host}",
+                f"  rank      : {rank} (local_rank: {rank % 2})",
+                f"  exitcode  : {code} (pid: 3420)  (SIGKILL)", "  error_file: <N/A>",
+                "  traceback : Signal 9 (SIGKILL) received by PID 3420"]
+    text = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 54,
+            "/tmp/k.py FAILED", "-" * 54, "Failures:", *entry(1, other), "-" * 54,
+            "Root Cause (first observed failure):", *entry(0, root), "=" * 54]
+    return [f"{label}: {x}" for x in text]
+
+
+def test_torchruns_summary_gives_the_killed_worker_not_the_ones_its_agent_ended() -> None:
+    lines = [*_torchrun_summary("1", ("node2.cluster", 3, "-9"), ("node2.cluster", 2, "-15")),
+             "srun: error: node2: task 1: Exited with exit code 1",
+             "srun: launch/slurm: _step_signal: Terminating StepId=3.0",
+             *_torchrun_summary("0", ("node1", 0, "-15"), ("node1", 1, "-15"))]
+    exits = srun_exits(lines)
+    assert [(x.host, x.ranks, x.what, x.after_cancel) for x in exits] == [
+        ("node2", (3,), "Killed", False),
+        ("node2", (1,), "Exited with exit code 1", False),
+        ("node1", (0,), "Terminated", True)]
+    v = classify(Evidence(1, exits, hosts=("node1", "node1", "node2", "node2")))
+    assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node2",)), v
+    assert "rank 3 Killed by a signal" in v.evidence
+
+
+def test_under_torchrun_an_exception_with_an_agent_ended_peer_is_the_programs() -> None:
+    lines = _torchrun_summary("1", ("node2", 2, "1"), ("node2", 3, "-15"))
+    marks = {2: Mark(10.0, "ValueError: shapes (4,8) and (9,) do not match", "node2")}
+    v = classify(Evidence(1, srun_exits(lines), marks, ("node1", "node1", "node2", "node2")))
+    assert v.kind == APPLICATION and "ValueError" in v.evidence, v
