@@ -29,6 +29,7 @@ import functools
 import logging
 import shlex
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +60,7 @@ _CONSTRUCTOR = ("slurm_max_num_timeout", "slurm_python")
 #: Fields without a submitit parameter of their own: :func:`make_executor` composes them
 #: (the log folder, the exported variables, the signal and the extra sbatch options), and
 #: ``array`` becomes :func:`submit_array`'s one batch of submissions.
-COMPOSED = ("sbatch", "env", "log_dir", "signal", "array")
+COMPOSED = ("sbatch", "env", "log_dir", "signal", "array", "spare_nodes")
 
 
 def _shell_marks_dir(log_dir: str | Path) -> str:
@@ -128,6 +129,12 @@ def make_executor(options: SubmitOptions,
     sig = parse_signal(options.signal).name[3:]
     folder = job_dir(options.log_dir, "%j")
     params = field_parameters(options)
+    srun_args = ["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"]
+    supervised: dict[str, Any] = {}
+    if options.spare_nodes:
+        params["nodes"] = options.nodes + options.spare_nodes
+        params["slurm_python"] = _supervisor(options, folder, srun_args[1:], submitit)
+        supervised = {"slurm_use_srun": False}
     try:
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm",
                                    **{k: params.pop(k) for k in _CONSTRUCTOR if k in params})
@@ -142,13 +149,30 @@ def make_executor(options: SubmitOptions,
         # submitit writes --signal=<its SUBMITIT_PREEMPT_SIGNAL>@delay; ours wins.
         slurm_additional_parameters=_excluded(
             {"signal": f"{sig}@{options.signal_delay_s}", "requeue": True,
+             **({"no_kill": True} if options.spare_nodes else {}),
              **parse_sbatch(options.sbatch)}, bad_nodes() if bad is None else bad),
         # failure marks per run, so --wait names the rank that failed first by time
         slurm_setup=[f'export HPC_ERROR_DIR={_shell_marks_dir(options.log_dir)}',
                      *(f"export {k}={shlex.quote(v)}" for k, v in env.items())],
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task from sbatch: pass it.
-        slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"])
+        slurm_srun_args=srun_args, **supervised)
     return ex
+
+
+def _supervisor(options: SubmitOptions, folder: Path, srun_args: Sequence[str],
+                submitit: Any) -> str:
+    """The job's "python" with spare nodes: ``PY -m hpc supervise --spare-nodes K
+    --srun-arg=... -- PY``, which submitit's batch script runs itself (no srun of its own)
+    before ``-u -m submitit.core._submit FOLDER``; each attempt's srun writes the tasks'
+    logs where submitit's own srun would (``%j_%t_log.out``; ``%A_%a`` in an array)."""
+    python = options.python or shlex.quote(sys.executable)
+    paths = submitit.core.utils.JobPaths(folder=folder)
+    logs = [str(paths.stdout), str(paths.stderr)]
+    if options.is_array:
+        logs = [x.replace("%j", "%A_%a") for x in logs]
+    args = ["--unbuffered", f"--output={logs[0]}", f"--error={logs[1]}", *srun_args]
+    return " ".join([python, "-m", "hpc", "supervise", f"--spare-nodes={options.spare_nodes}",
+                     *(shlex.quote(f"--srun-arg={a}") for a in args), "--", python])
 
 
 def _callable(target: Any, args: Sequence[str]) -> tuple[Any, str | None]:

@@ -176,6 +176,9 @@ class SubmitOptions:
         signal_delay_s: Seconds before the time limit the signal comes.
         max_requeues: Requeue budget (``HPC_MAX_REQUEUES`` in the job).
         python: Interpreter on the nodes (default: this one).
+        spare_nodes: Nodes allocated beyond ``nodes`` as spares; > 0 runs the tasks under
+            ``hpc supervise`` (:mod:`hpc.supervise`), which restarts them inside the
+            allocation without a failed host (``--no-kill``).
         array: Tasks of a job array (0 = one plain job): one Slurm job per index
             ``0..array-1``, each with its own run directory (``{task}`` in the target's
             arguments, e.g. ``--out runs/sweep/{task}``), each preempted and requeued on
@@ -235,6 +238,11 @@ class SubmitOptions:
     python: Optional[str] = option(  # noqa: UP045 (get_type_hints, Python 3.9)
         "--python", default=None, help="interpreter on the nodes (default: this one)",
         submitit="slurm_python")
+    spare_nodes: int = option(
+        "--spare-nodes", default=0, metavar="K",
+        help="allocate K nodes more than --nodes and keep them as spares: the tasks run "
+        "under hpc supervise, which restarts them without a host that fails, a spare in "
+        "its place, from the newest checkpoint (default {default}: no supervisor)")
     array: int = option(
         "--array", default=0, metavar="N",
         help="a job array of N tasks (index 0..N-1), each its own job, requeued on its "
@@ -277,7 +285,8 @@ class SubmitOptions:
                     for k in ("nodes", "cpus_per_task", "time_min", "ntasks_per_node")
                     if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} (must be >= 0)"
-                     for k in ("gpus_per_node", "signal_delay_s", "max_requeues", "array")
+                     for k in ("gpus_per_node", "signal_delay_s", "max_requeues", "array",
+                               "spare_nodes")
                      if getattr(self, k) < 0]
         if self.gpus_per_node and self.tasks_per_node not in (None, self.gpus_per_node):
             problems.append(f"tasks_per_node={self.tasks_per_node} with gpus_per_node="

@@ -266,3 +266,37 @@ def test_torchrun_template_replaces_the_crashed_host_and_moves_the_rendezvous(
     print(f"torchrun: crash on {host} to resumed: {took:.0f} s; {decisions[0]}",
           file=sys.stderr)
     assert took <= RESUMED_WITHIN_S, text[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_hpc_submit_spare_nodes_replaces_the_crashed_host(tiny_reference: Path,
+                                                          tmp_path: Path) -> None:
+    """``hpc submit --spare-nodes 1``: submitit's batch script runs the supervisor, which runs
+    the tasks on 2 of the 3 nodes; node2 crashes, the spare takes its place."""
+    pytest.importorskip("submitit")
+    from hpc.pretrain import PretrainConfig
+    from hpc.submit import submit
+    from tests.helpers.tiny_pretrain import TINY
+
+    out = tmp_path / "run"
+    job = submit(PretrainConfig(**TINY, out=str(out)), log_dir=str(tmp_path / "logs"),
+                 env={**ENV, **slowed(0.6), "HPC_FAULT": CRASH_NODE2}, nodes=2,
+                 spare_nodes=1, tasks_per_node=2, gpus_per_node=0, partition="four",
+                 time_min=5)
+    try:
+        result = job.result(timeout=240)
+    finally:
+        job.cancel()
+    text = "\n".join(p.read_text() for p in sorted((tmp_path / "logs" / job.job_id).glob(
+        "*_0_log.*")))
+    assert result is not None
+    decisions = _decisions(text)
+    assert " hpc supervise: 2 of 3 hosts, 2 tasks each; spares node3" in text, text[-4000:]
+    assert len(decisions) == 1, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: ranks 2-3 .* -> infrastructure \(node2 "
+                     r"excluded\); relaunching on node1,node3 from step 6 ", decisions[0]), \
+        decisions
+    assert [r.word for r in jobwatch.history(job.job_id)] == ["COMPLETED"]
+    assert [s.host for s in Ledger().strikes()] == ["node2"]
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)

@@ -129,3 +129,28 @@ def test_the_ledger_excludes_only_hosts_this_cluster_has(monkeypatch: pytest.Mon
     assert "#SBATCH --exclude=node7\n" in text, text
     monkeypatch.setenv("HPC_LEDGER_TTL", "0")
     assert executor.bad_nodes() == {}
+
+
+def test_spare_nodes_allocate_more_and_run_the_tasks_under_the_supervisor(
+        tmp_path: Path) -> None:
+    pytest.importorskip("submitit")
+    if shutil.which("srun") is None:
+        pytest.skip("no srun: submitit refuses to build a Slurm executor")
+    opts = SubmitOptions(nodes=2, spare_nodes=1, tasks_per_node=2, cpus_per_task=3,
+                         log_dir=str(tmp_path))
+    ex = make_executor(opts, bad={})
+    text = ex._executor._make_submission_file_text("CMD", "uid")
+    assert "#SBATCH --nodes=3" in text and "#SBATCH --no-kill" in text, text
+    command = ex._executor._submitit_command_str  # the script's last line: no srun of its own
+    head, _, tail = command.partition(" -- ")
+    assert head.split()[1:5] == ["-m", "hpc", "supervise", "--spare-nodes=1"], command
+    for arg in ("--unbuffered", f"--output={tmp_path}/%j/%j_%t_log.out",
+                f"--error={tmp_path}/%j/%j_%t_log.err", "--cpus-per-task=3"):
+        assert f"--srun-arg={arg}" in head.split(), command
+    assert tail.endswith(f"-u -m submitit.core._submit {tmp_path}/%j"), command
+    array = make_executor(dataclasses.replace(opts, array=2), bad={})
+    assert f"--srun-arg=--output={tmp_path}/%A_%a/%A_%a_%t_log.out" in \
+        array._executor._submitit_command_str
+    plain = make_executor(dataclasses.replace(opts, spare_nodes=0), bad={})
+    assert "supervise" not in plain._executor._submitit_command_str
+    assert "--no-kill" not in plain._executor._make_submission_file_text("CMD", "uid")
