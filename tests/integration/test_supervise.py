@@ -300,3 +300,42 @@ def test_hpc_submit_spare_nodes_replaces_the_crashed_host(tiny_reference: Path,
     assert [s.host for s in Ledger().strikes()] == ["node2"]
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
+
+
+def _testcluster(*args: str) -> None:
+    subprocess.run([str(ROOT / "bin" / "hpc-testcluster"), *args], check=True, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_slurmd_and_ranks_die_is_replaced_by_the_spare(
+        tiny_reference: Path, tmp_path: Path, cancel_after: list[str]) -> None:
+    """``bin/hpc-testcluster crash node2``: slurmd, slurmstepd and the ranks of node2 SIGKILLed
+    at once (a power loss: the address answers, nothing listens), once checkpoint 6 is
+    written; then ``revive node2``."""
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1")
+    job_id = sbatch_nowait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
+                            TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path, env,
+                           cancel_after)
+    log = tmp_path / f"hpc-srun-{job_id}.out"
+    try:
+        wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job_id, timeout=150)
+        _testcluster("crash", "node2")
+        crashed = time.monotonic()
+        until("the relaunch's resume", lambda: "resumed from" in log.read_text(), job_id,
+              timeout=90)
+        resumed = time.monotonic() - crashed
+    finally:
+        _testcluster("revive", "node2")
+    last = jobwatch.wait(job_id, timeout=120)
+    text = log.read_text()
+    assert last.word == "COMPLETED", text[-4000:]
+    decisions = _decisions(text)
+    assert len(decisions) == 1, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: .* -> infrastructure \(node2 excluded\); "
+                     r"relaunching on node1,node3 from step \d+ ", decisions[0]), decisions
+    assert [s.host for s in Ledger().strikes()] == ["node2"]
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)
+    print(f"node crash to resumed: {resumed:.1f} s; {decisions[0]}", file=sys.stderr)
+    assert resumed <= RESUMED_WITHIN_S, text[-4000:]
