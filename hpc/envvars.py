@@ -243,7 +243,7 @@ VARIABLES: dict[str, Variable] = _table(
              "writer process (needs room for one copy of the checkpoint; a save that does "
              "not fit is written synchronously, with a warning)"),
     Variable("HPC_SUPERVISE", _choice("0", "1"), "1 or 0", "0", "0",
-             "slurm/pretrain.sbatch: 1 runs the step under hpc supervise, which restarts it "
+             "slurm/pretrain.sbatch, slurm/torchrun.sbatch: 1 runs the step under hpc supervise, which restarts it "
              "inside the allocation without a host that failed (HPC_SPARE_NODES > 0 implies "
              "it); submit with --no-kill"),
     Variable("HPC_SPARE_NODES", _count, "a count of nodes", 0, "0",
@@ -253,6 +253,10 @@ VARIABLES: dict[str, Variable] = _table(
     Variable("HPC_MAX_RESTARTS", _count, "a count", 3, "3",
              "hpc supervise: restarts inside the allocation after infrastructure failures "
              "(an attempt that wrote no new checkpoint counts twice)"),
+    Variable("HPC_SUPERVISE_ELASTIC", _choice("0", "1"), "1 or 0", "0", "0",
+             "hpc supervise (the sbatch templates): 1 is --elastic: with no spare left, the "
+             "step goes on on fewer hosts instead of requeueing the job (the command must "
+             "allow a world-size change, e.g. hpc pretrain --elastic)"),
     Variable("HPC_ATTEMPT", _count, "a count", 0, "0",
              "set by hpc supervise: 0 for the first attempt of the step in this allocation, "
              "n for its n-th restart (HPC_FAULT reaches attempt 0 only)"),

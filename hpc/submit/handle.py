@@ -56,7 +56,9 @@ class SubmittedJob:
         out, err = self.logs(0)
         gpus = f"{o.gpus_per_node} GPUs/node, " if o.gpus_per_node else ""
         lines = [
-            (f"submitted job {jid}: {o.nodes} node(s) x {o.ntasks_per_node} task(s) ({gpus}"
+            (f"submitted job {jid}: {o.nodes} node(s) x {o.ntasks_per_node} task(s) "
+             + (f"+ {o.spare_nodes} spare node(s) under hpc supervise " if o.spare_nodes else "")
+             + f"({gpus}"
              f"{o.cpus_per_task} CPU/task), time limit {o.time_min} min, {o.signal} "
              f"{o.signal_delay_s} s before it, up to {o.max_requeues} requeue(s)"),
             *(f"  {line}" for line in self.excluded),

@@ -14,6 +14,7 @@ when a node fails. Exit status: the step's, 75 when the job was requeued.
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 from hpc.cli.main import subcommand
@@ -34,8 +35,9 @@ def _run(args: argparse.Namespace) -> int:
     restarts = (envvars.value("HPC_MAX_RESTARTS") if args.max_restarts is None
                 else args.max_restarts)
     srun_args = tuple(a for a in (args.srun_arg or []))
-    return supervise(Options(tuple(command), int(spares), int(restarts), args.elastic,
-                             srun_args, args.torchrun))
+    elastic = args.elastic or envvars.value("HPC_SUPERVISE_ELASTIC") == "1"
+    return supervise(Options(tuple(command), int(spares), int(restarts), elastic,
+                             srun_args, args.torchrun, tuple(shlex.split(args.mpirun or ""))))
 
 
 def add_parser(sub: Any) -> None:
@@ -49,7 +51,8 @@ def add_parser(sub: Any) -> None:
                    "attempt that wrote no new checkpoint costs 2")
     p.add_argument("--elastic", action="store_true",
                    help="with no spare left, go on on fewer hosts (the command must allow a "
-                   "world-size change, e.g. hpc pretrain --elastic) instead of requeueing")
+                   "world-size change, e.g. hpc pretrain --elastic) instead of requeueing (default "
+                   "HPC_SUPERVISE_ELASTIC=1)")
     p.add_argument("--srun-arg", action="append", metavar="ARG",
                    help="one more srun option for every attempt (repeatable), e.g. "
                    "--srun-arg=--cpus-per-task=4")
@@ -57,6 +60,10 @@ def add_parser(sub: Any) -> None:
                    help="run one torchrun per host with NPROC workers (COMMAND is what follows "
                    "torchrun's options: -m hpc pretrain ..., train.py, --no-python CMD); the "
                    "rendezvous is on each attempt's first host (slurm/torchrun.sbatch)")
+    p.add_argument("--mpirun", default=None, metavar="LAUNCHER",
+                   help="run the ranks with this mpirun command line (shell words, e.g. "
+                   "'mpirun --mca btl tcp,self'), given -np and the attempt's hosts "
+                   "(--host, -hosts for MPICH) each time (slurm/mpirun.sbatch)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     p.set_defaults(func=_run, parser=p)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpc.supervise import plan as plans
-from hpc.supervise.launch import srun_argv
+from hpc.supervise.launch import mpirun_argv, mpirun_env, srun_argv
 from hpc.supervise.progress import read_progress
 from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import failure
@@ -79,6 +79,8 @@ class Options:
     srun_args: tuple[str, ...] = ()
     #: Workers per host under torchrun (``slurm/torchrun.sbatch``); 0: one task per rank.
     torchrun: int = 0
+    #: The mpirun and its options (``slurm/mpirun.sbatch``); empty: srun.
+    mpirun: tuple[str, ...] = ()
 
 
 def say(message: str) -> None:
@@ -169,6 +171,19 @@ class Reachability:
         return [h for h, t in self.silent_since.items() if now - t >= UNREACHABLE_S]
 
 
+def _open_mpi(launcher: Sequence[str]) -> bool:
+    """The launcher's mpirun is Open MPI's (``--version``), not MPICH's hydra."""
+    for word in launcher:
+        if re.match(r"mpi(run|exec)", Path(word).name):
+            said = _run([word, "--version"], timeout=20)  # 4.x: "mpirun (OpenRTE) 4.1.4"
+            return "Open MPI" in said or "OpenRTE" in said
+    return True
+
+
+def _launcher_name(launcher: Sequence[str]) -> str:
+    return next((w for w in launcher if re.match(r"mpi(run|exec)", Path(w).name)), "mpirun")
+
+
 def _addresses(hosts: Sequence[str]) -> dict[str, str]:
     out = {}
     for h in hosts:
@@ -199,12 +214,20 @@ class Attempt:
         self.name = f"hpc-attempt-{uuid.uuid4().hex[:8]}"
         self.lines: list[str] = []
         self.lost: dict[str, str] = {}
-        self.argv = srun_argv(opts.command, self.hosts, per_node, self.name,
-                              srun_args=opts.srun_args, torchrun=opts.torchrun,
-                              attempt=attempt, environ=env)
+        self.mpirun = bool(opts.mpirun)
+        env = dict(env)
+        if self.mpirun:
+            self.argv = mpirun_argv(opts.mpirun, opts.command, self.hosts, per_node,
+                                    open_mpi=_open_mpi(opts.mpirun))
+            env.update(mpirun_env(self.hosts, env, attempt))
+        else:
+            self.argv = srun_argv(opts.command, self.hosts, per_node, self.name,
+                                  srun_args=opts.srun_args, torchrun=opts.torchrun,
+                                  attempt=attempt, environ=env)
         self.reach = Reachability(_addresses(self.hosts), port)
-        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True,
-                                     env=dict(env), errors="replace")
+        # a session of its own: cancelling an mpirun ends its daemons' srun too
+        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True, env=env,
+                                     errors="replace", start_new_session=True)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
@@ -254,10 +277,15 @@ class Attempt:
         return code
 
     def _step_ids(self, environ: Mapping[str, str]) -> list[str]:
+        """The attempt's steps: by its job name; under mpirun every numbered step of the
+        job (its daemons' srun has a name of mpirun's choosing; one attempt runs at a
+        time)."""
         job = environ.get("SLURM_JOB_ID", "")
         out = _run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], timeout=10)
-        return [i for i, _, n in (line.partition(" ") for line in out.splitlines())
-                if n.strip() == self.name]
+        steps = [(i, n.strip()) for i, _, n in (line.partition(" ") for line in out.splitlines())]
+        if self.mpirun:
+            return [i for i, _ in steps if i.rpartition(".")[2].isdigit()]
+        return [i for i, n in steps if n == self.name]
 
     def cancel(self) -> int:
         """Cancel the step (``scancel --signal=KILL JOB.STEP``), then srun; -9.
@@ -271,7 +299,10 @@ class Attempt:
         try:
             self.proc.wait(timeout=CANCEL_S)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                self.proc.kill()
             self.proc.wait()
         return -9
 
@@ -330,7 +361,9 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
     progress = base.parent / "progress.json"
     state = plans.State(tuple(hosts), nodes, opts.max_restarts, opts.elastic)
     per_node, port = tasks_per_node(env), slurmd_port()
-    each = f"torchrun with {opts.torchrun} workers" if opts.torchrun else f"{per_node} tasks"
+    each = (f"torchrun with {opts.torchrun} workers" if opts.torchrun
+            else f"{per_node} ranks by {Path(_launcher_name(opts.mpirun)).name}" if opts.mpirun
+            else f"{per_node} tasks")
     say(f"{nodes} of {len(hosts)} hosts, {each} each"
         + (f"; spares {','.join(hosts[nodes:])}" if opts.spare_nodes else "")
         + f"; up to {opts.max_restarts} restarts")

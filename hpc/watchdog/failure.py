@@ -334,6 +334,9 @@ _CANCEL = re.compile(r"srun: .*(?:Terminating|Force Terminated) (?:StepId|job st
 #: torchrun's failure summary (``ChildFailedError``), one field a line, after srun's label.
 _TORCHRUN_FIELD = re.compile(r"^(?:(?P<label>\d+): )?\s+(?P<key>host|rank|exitcode)\s+: "
                              r"(?P<value>\S+)")
+#: Open MPI's mpirun on a rank killed by a signal (help-orterun.txt).
+_OMPI_SIGNAL = re.compile(r"noticed that process rank (?P<rank>\d+) with PID \d+ on node "
+                          r"(?P<node>[\w.-]+) exited on signal (?P<sig>\d+)")
 _TORCHRUN_ROOT = re.compile(r"^(?:(?P<label>\d+): )?Root Cause \(first observed failure\)")
 
 
@@ -344,7 +347,9 @@ def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
     Under torchrun a task is a host's agent, and the ranks are its workers: the root cause
     of the agent's failure summary (``host : node2``, ``rank : 3 (local_rank: 1)``,
     ``exitcode : -9``), a worker killed by a signal, is ``SrunExit("node2", (3,),
-    "Killed")``. Its other failures are the workers the agent ended itself (SIGTERM)."""
+    "Killed")``. Its other failures are the workers the agent ended itself (SIGTERM).
+    Under Open MPI's mpirun, its ``process rank 2 ... on node node2 exited on signal 9``
+    is the same."""
     out: list[SrunExit] = []
     cancelled = False
     summary: dict[str, dict[str, str]] = {}  # srun label -> the root cause being read
@@ -355,6 +360,9 @@ def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
                                 cancelled))
         elif _CANCEL.search(line):
             cancelled = True
+        elif (o := _OMPI_SIGNAL.search(line)) is not None:
+            what = signal.strsignal(int(o["sig"])) or f"signal {o['sig']}"
+            out.append(SrunExit(o["node"], (int(o["rank"]),), what, cancelled))
         elif (root := _TORCHRUN_ROOT.match(line)) is not None:
             summary[root["label"] or ""] = {}
         elif (f := _TORCHRUN_FIELD.match(line)) is not None and (f["label"] or "") in summary:

@@ -56,3 +56,23 @@ def killing(rank: int, at: int) -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {"HPC_STEP_HOOK": f"{__name__}:kill_rank", "HPC_TEST_KILL_RANK": str(rank),
             "HPC_TEST_KILL_AT": str(at), "PYTHONPATH": path}
+
+
+def shape_bug() -> None:
+    """A real bug at rank ``HPC_TEST_BUG_RANK``'s ``HPC_TEST_BUG_AT``-th step poll: a matrix
+    product of mismatched shapes (torch's own RuntimeError, not an injected fault)."""
+    global _polls
+    if os.environ.get("SLURM_PROCID") != os.environ.get("HPC_TEST_BUG_RANK"):
+        return
+    _polls += 1
+    if _polls >= int(os.environ.get("HPC_TEST_BUG_AT") or 1):
+        import torch
+
+        torch.zeros(4, 8) @ torch.zeros(9, 2)
+
+
+def buggy(rank: int, at: int) -> dict[str, str]:
+    """Variables for a job whose rank ``rank`` hits :func:`shape_bug` at its ``at``-th step."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {"HPC_STEP_HOOK": f"{__name__}:shape_bug", "HPC_TEST_BUG_RANK": str(rank),
+            "HPC_TEST_BUG_AT": str(at), "PYTHONPATH": path}

@@ -48,12 +48,13 @@ from tests.helpers.slurm import (
     until,
     wait_for_file,
 )
-from tests.helpers.step_hooks import killing, slowed
+from tests.helpers.step_hooks import buggy, killing, slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
     TINY_ARGS,
     assert_each_step_once,
     assert_same_final_weights,
+    train_steps,
 )
 
 pytestmark = pytest.mark.slurm
@@ -150,17 +151,30 @@ def test_without_a_spare_the_job_is_requeued_without_the_crashed_node(
     assert_same_final_weights(out, tiny_reference)
 
 
+#: (variables, the rank's first words of its failure in the log, the decision's regex)
+APPLICATION_ERRORS = {
+    "injected": ({"HPC_FAULT": "2:5:exc"}, "HPC_FAULT 2:5:exc: an exception",
+                 r"attempt 0 failed: rank 2 on node2: .*InjectedFault.* -> application "
+                 r"failure: no restart"),
+    "shape_bug": (buggy(rank=2, at=5), "mat1 and mat2 shapes cannot be multiplied",
+                  r"attempt 0 failed: rank 2 on node2: RuntimeError: mat1 and mat2 shapes "
+                  r"cannot be multiplied.* -> application failure: no restart"),
+}
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("error", list(APPLICATION_ERRORS))
 def test_an_application_error_ends_the_job_at_once_without_a_restart(
-        tmp_path: Path, cancel_after: list[str]) -> None:
+        error: str, tmp_path: Path, cancel_after: list[str]) -> None:
+    variables, said, decided = APPLICATION_ERRORS[error]
     out = tmp_path / "run"
-    env = slurm_env(**ENV, HPC_SPARE_NODES="1", HPC_FAULT="2:5:exc")
+    env = slurm_env(**ENV, **variables, HPC_SPARE_NODES="1")
     job_id = sbatch_nowait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
                             TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path, env,
                            cancel_after)
     log = tmp_path / f"hpc-srun-{job_id}.out"
-    until("the injected exception", lambda: log.exists() and "HPC_FAULT 2:5:exc: an exception" in log.read_text(),
-          job_id, timeout=150)
+    until("the rank's error", lambda: log.exists() and said in log.read_text(), job_id,
+          timeout=150)
     raised = time.monotonic()
     last = jobwatch.wait(job_id, timeout=60)
     ended = time.monotonic() - raised
@@ -168,11 +182,10 @@ def test_an_application_error_ends_the_job_at_once_without_a_restart(
     assert last.word == "FAILED", text[-4000:]
     decisions = _decisions(text)
     assert len(decisions) == 1, text[-4000:]
-    assert re.search(r"attempt 0 failed: rank 2 on node2: .*InjectedFault.* -> application "
-                     r"failure: no restart", decisions[0]), decisions
+    assert re.search(decided, decisions[0]), decisions
     assert "relaunching" not in text and "requeue" not in decisions[0]
     assert Ledger().strikes() == []  # a program's error is not a bad node
-    print(f"exception to job end: {ended:.1f} s", file=sys.stderr)
+    print(f"{error}: exception to job end: {ended:.1f} s", file=sys.stderr)
     assert ended <= 10, text[-4000:]
 
 
@@ -339,3 +352,97 @@ def test_a_node_whose_slurmd_and_ranks_die_is_replaced_by_the_spare(
     assert_same_final_weights(out, tiny_reference)
     print(f"node crash to resumed: {resumed:.1f} s; {decisions[0]}", file=sys.stderr)
     assert resumed <= RESUMED_WITHIN_S, text[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_elastic_without_a_spare_goes_on_on_fewer_hosts(tmp_path: Path) -> None:
+    """2 nodes, no spare, ``HPC_SUPERVISE_ELASTIC=1`` and ``hpc pretrain --elastic``: node2
+    crashes at step 7 and the step goes on on node1 alone (2 ranks) from step 6, in the
+    first allocation, the world-size change logged by the resume."""
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, HPC_SUPERVISE="1", HPC_SUPERVISE_ELASTIC="1", HPC_FAULT=CRASH_NODE2)
+    job_id, rc, text = sbatch_wait(["-p", "four", "-N2", "--ntasks-per-node=2", "--no-kill",
+                                    TEMPLATE, *TINY_ARGS, "--elastic", "--out", str(out)],
+                                   tmp_path, timeout=240, env=env)
+    assert rc == 0, text[-4000:]
+    decisions = _decisions(text)
+    assert len(decisions) == 1, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: ranks? [23-]+ .* -> infrastructure \(node2 "
+                     r"excluded\); relaunching on node1 from step 6 ", decisions[0]), decisions
+    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]
+    assert [s.host for s in Ledger().strikes()] == ["node2"]
+    assert "world size changed 4 -> 2" in text, text[-4000:]
+    steps = sorted(int(x) for x in re.findall(r"pretrain completed at step (\d+)", text))
+    assert len(steps) == 1 and steps[0] > 6, text[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_mpirun_template_replaces_the_crashed_host(tiny_reference: Path,
+                                                   tmp_path: Path) -> None:
+    """``slurm/mpirun.sbatch`` (Open MPI) under ``HPC_SPARE_NODES=1``: the supervisor runs
+    ``mpirun -np 4 --host node1:2,node2:2``; node2's ranks SIGKILL themselves at step 7,
+    mpirun names rank 2 on node2, and the next mpirun runs on node1:2,node3:2."""
+    mpirun = require("mpirun.openmpi", "Open MPI")
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1", HPC_MPIRUN=mpirun,
+                    HPC_FAULT=CRASH_NODE2)
+    job_id, rc, text = sbatch_wait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
+                                    str(ROOT / "slurm" / "mpirun.sbatch"), *TINY_ARGS,
+                                    "--out", str(out)], tmp_path, timeout=240, env=env)
+    assert rc == 0, text[-4000:]
+    assert " hpc supervise: 2 of 3 hosts, 2 ranks by mpirun.openmpi each; spares node3" in text
+    decisions = _decisions(text)
+    assert len(decisions) == 1, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: rank [23] Killed by a signal, no failure "
+                     r"mark -> infrastructure \(node2 excluded\); relaunching on node1,node3 "
+                     r"from step 6 ", decisions[0]), decisions
+    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]
+    assert [s.host for s in Ledger().strikes()] == ["node2"]
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)
+    took = _fault_to_resume_s(text)
+    print(f"mpirun: crash to resumed: {took:.0f} s; {decisions[0]}", file=sys.stderr)
+    assert took <= RESUMED_WITHIN_S, text[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_array_tasks_each_replace_their_own_crashed_host(tmp_path: Path) -> None:
+    """``hpc submit --array 2 -N1 --spare-nodes 1`` on the 4 nodes: each task runs 2 ranks on
+    one node with one spare; both ranks of each task SIGKILL themselves at step 7, and each
+    task relaunches on its own spare, in its own first allocation."""
+    pytest.importorskip("submitit")
+    envs = [f"--env={k}={v}" for k, v in
+            {**ENV, **slowed(0.6), "HPC_FAULT": "0:7:kill,1:7:kill"}.items()]
+    cmd = [sys.executable, "-m", "hpc", "submit", "--array", "2", "-N", "1", "--spare-nodes",
+           "1", "-G", "0", "--tasks-per-node", "2", "-p", "four", "--time", "5",
+           "--log-dir", str(tmp_path / "logs"), *envs, "--", *TINY_ARGS,
+           "--out", str(tmp_path / "sweep" / "{task}")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=slurm_env(),
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    ids = [line.split()[2].rstrip(":") for line in proc.stdout.splitlines()
+           if line.startswith("submitted job ")]
+    try:
+        assert len(ids) == 2 and "+ 1 spare node(s) under hpc supervise" in proc.stdout, \
+            proc.stdout
+        last = [jobwatch.wait(i, timeout=240) for i in ids]
+        texts = {i: "\n".join(p.read_text() for p in sorted(
+            (tmp_path / "logs").glob(f"{i}/*_0_log.err"))) for i in ids}
+        assert [r.word for r in last] == ["COMPLETED", "COMPLETED"], texts
+        crashed = []
+        for i in ids:
+            assert [r.word for r in jobwatch.history(i)] == ["COMPLETED"], i
+            decisions = _decisions(texts[i])
+            assert len(decisions) == 1, texts[i][-3000:]
+            m = re.search(r"attempt 0 failed: (node\d): ranks 0-1 .* -> infrastructure "
+                          r"\((node\d) excluded\); relaunching on (node\d) from step 6 ",
+                          decisions[0])
+            assert m and m[1] == m[2] != m[3], decisions
+            crashed.append(m[1])
+        assert len(set(crashed)) == 2, crashed  # two tasks, two hosts, each its own
+        assert sorted(s.host for s in Ledger().strikes()) == sorted(crashed)
+        for task in ("0", "1"):  # 2 ranks: 2 epochs of 1437 // 64 steps, each once
+            assert train_steps(tmp_path / "sweep" / task) == list(range(1, 45))
+    finally:
+        for job_id in ids:
+            subprocess.run(["scancel", job_id], check=False, timeout=20)

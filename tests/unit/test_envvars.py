@@ -36,6 +36,7 @@ TYPOS = {
     "HPC_LEDGER_TTL": "24h",
     "HPC_TRACEBACK": "verbose",
     "HPC_SUPERVISE": "yes",
+    "HPC_SUPERVISE_ELASTIC": "true",
     "HPC_SPARE_NODES": "one",
     "HPC_MAX_RESTARTS": "-1",
     "HPC_ATTEMPT": "first",

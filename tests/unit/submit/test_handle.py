@@ -43,3 +43,13 @@ def test_wait_reads_the_failure_marks_where_the_batch_script_puts_them(
     Path(exported).mkdir(parents=True)
     failure.write_mark(exported, 3, "RuntimeError: rank 3 broke first", 1_000_000_001.0)
     assert "rank 3 broke first" in (failure.first_by_marks(job.marks(1)) or "")
+
+
+def test_describe_counts_the_spare_nodes_apart() -> None:
+    options = SubmitOptions(nodes=2, spare_nodes=1, tasks_per_node=2)
+    paths = types.SimpleNamespace(stdout="/l/42_0_log.out", stderr="/l/42_0_log.err")
+    task = types.SimpleNamespace(paths=paths)
+    job = types.SimpleNamespace(job_id="42", num_tasks=4, task=lambda rank: task)
+    first = SubmittedJob(job, options).describe()
+    assert first.startswith("submitted job 42: 2 node(s) x 2 task(s) + 1 spare node(s) under "
+                            "hpc supervise (1 CPU/task)"), first

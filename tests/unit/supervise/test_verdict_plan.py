@@ -195,3 +195,25 @@ def test_under_torchrun_an_exception_with_an_agent_ended_peer_is_the_programs() 
     marks = {2: Mark(10.0, "ValueError: shapes (4,8) and (9,) do not match", "node2")}
     v = classify(Evidence(1, srun_exits(lines), marks, ("node1", "node1", "node2", "node2")))
     assert v.kind == APPLICATION and "ValueError" in v.evidence, v
+
+
+def test_open_mpis_signal_line_blames_the_ranks_host() -> None:
+    line = ("mpirun noticed that process rank 2 with PID 0 on node node2 exited on signal 9 "
+            "(Killed).")
+    exits = srun_exits([line])
+    assert [(x.host, x.ranks, x.what) for x in exits] == [("node2", (2,), "Killed")]
+    v = classify(Evidence(137, exits, hosts=("node1", "node1", "node2", "node2")))
+    assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node2",)), v
+
+
+def test_the_mpirun_attempt_gets_its_hosts_and_a_master_on_the_first() -> None:
+    from hpc.supervise.launch import mpirun_argv, mpirun_env
+
+    argv = mpirun_argv(["mpirun", "--mca", "btl", "tcp,self"], ["python", "t.py"],
+                       ["node2", "node3"], 2, open_mpi=True)
+    assert argv == ["mpirun", "--mca", "btl", "tcp,self", "-np", "4", "--host",
+                    "node2:2,node3:2", "python", "t.py"]
+    assert mpirun_argv(["mpiexec.mpich"], ["x"], ["a"], 1, open_mpi=False)[3] == "-hosts"
+    env = mpirun_env(["node2", "node3"], {"SLURM_JOB_ID": "7"}, 1)
+    assert env["MASTER_ADDR"] == "node2"
+    assert env["MASTER_PORT"] != mpirun_env(["node2"], {"SLURM_JOB_ID": "7"}, 2)["MASTER_PORT"]
