@@ -2,11 +2,12 @@
 fails — without that host.
 
 Runs in the batch shell (``slurm/*.sbatch``), never in a rank. Each attempt is one
-``srun --kill-on-bad-exit=1 --nodelist=HOSTS`` of the command on ``nodes`` hosts of the
-allocation; the others are spares (``--spare-nodes``, ``HPC_SPARE_NODES``). While it runs,
-the supervisor watches the step's hosts in Slurm (``sinfo``) and on slurmd's port
-(:class:`Reachability`): a host that goes DOWN, stops responding or stops answering ends
-the attempt at once (the step is cancelled, the ranks cannot
+``srun --kill-on-bad-exit=1 --nodelist=HOSTS`` of the command (of torchrun, or one
+mpirun: :mod:`hpc.supervise.launch`) on ``nodes`` hosts of the allocation; the others
+are spares (``--spare-nodes``, ``HPC_SPARE_NODES``). While it runs, the supervisor
+watches the step's hosts in Slurm (``sinfo``) and on slurmd's port
+(:class:`hpc.supervise.hosts.Reachability`): a host that goes DOWN, stops responding or
+stops answering ends the attempt at once (the step is cancelled, the ranks cannot
 finish it). After a failure it gathers the evidence (srun's exit lines, the ranks'
 failure marks in the attempt's ``HPC_ERROR_DIR``, the hosts' states), classifies it
 (:mod:`hpc.supervise.verdict`), decides (:mod:`hpc.supervise.plan`) and logs ONE line
@@ -21,29 +22,36 @@ only: an injected crash is one crash, not one per attempt or requeue.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from hpc.supervise import plan as plans
+from hpc.supervise.hosts import (
+    UNREACHABLE_S,
+    Reachability,
+    addresses,
+    allocation,
+    node_states,
+    run,
+    slurmd_port,
+    tasks_per_node,
+)
 from hpc.supervise.launch import mpirun_argv, mpirun_env, srun_argv
 from hpc.supervise.progress import read_progress
 from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import failure
 
-__all__ = ["Options", "Reachability", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S",
-           "UNREACHABLE_S", "PROBE_EVERY_S", "CONNECT_S", "CANCEL_S"]
+__all__ = ["Options", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S", "CANCEL_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +67,6 @@ KILLED_SETTLE_S = 2.0
 POLL_S = 1.0
 #: Seconds scancel, then srun, get to end a cancelled step.
 CANCEL_S = 2.0
-#: Seconds a host may not answer on slurmd's port before the attempt ends without it.
-UNREACHABLE_S = 6.0
-#: Seconds between two probes of the hosts' slurmd ports.
-PROBE_EVERY_S = 2.0
-#: One probe's limit (the kernel answers a connection even when slurmd and the host are
-#: busy).
-CONNECT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,108 +91,17 @@ def say(message: str) -> None:
         errors="replace"))
 
 
-def _run(argv: Sequence[str], timeout: float = 30) -> str:
-    try:
-        return subprocess.run(list(argv), capture_output=True, text=True,
-                              timeout=timeout).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
-def allocation(environ: Mapping[str, str]) -> list[str]:
-    """The job's hosts in Slurm's order (``scontrol show hostnames``)."""
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
-    return _run(["scontrol", "show", "hostnames", nodelist]).split() if nodelist else []
-
-
-def tasks_per_node(environ: Mapping[str, str]) -> int:
-    """``SLURM_NTASKS_PER_NODE``, else the first count of ``SLURM_TASKS_PER_NODE``."""
-    text = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
-    return int(text.split("(")[0].split(",")[0] or 1)
-
-
-def node_states(hosts: Sequence[str]) -> dict[str, str]:
-    """Host -> its Slurm state (``sinfo -N -o '%N %T'``; ``*`` when not responding)."""
-    if not hosts:
-        return {}
-    out = _run(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %T"], timeout=10)
-    states = {}
-    for line in out.splitlines():
-        name, _, state = line.strip().partition(" ")
-        if name in hosts:
-            states[name] = state.strip()
-    return states
-
-
-def slurmd_port() -> int:
-    """slurmd's port (``scontrol show config``: SlurmdPort; 6818 when unknown)."""
-    m = re.search(r"^SlurmdPort\s*=\s*(\d+)", _run(["scontrol", "show", "config"], timeout=10),
-                  re.MULTILINE)
-    return int(m[1]) if m else 6818
-
-
-def _answers(address: str, port: int) -> bool:
-    """A TCP connection to ``address:port`` is accepted within :data:`CONNECT_S`."""
-    try:
-        with socket.create_connection((address, port), timeout=CONNECT_S):
-            return True
-    except OSError:
-        return False
-
-
-class Reachability:
-    """Which of the step's hosts stopped answering on slurmd's port.
-
-    Slurm marks a node that stopped answering only after ``SlurmdTimeout`` (300 s by
-    default): until then a cut link leaves the ranks waiting in a collective and srun
-    waiting for them. Every :data:`PROBE_EVERY_S` seconds the supervisor opens (and
-    closes) one TCP connection to each host's slurmd, which every compute node accepts
-    from its peers (Slurm's own fan-out); a host that answers none for
-    :data:`UNREACHABLE_S` is lost (a cut link, a dead node, a stopped slurmd).
-    """
-
-    def __init__(self, addresses: Mapping[str, str], port: int,
-                 answers: Callable[[str, int], bool] = _answers,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.addresses, self.port, self.answers, self.clock = addresses, port, answers, clock
-        self.silent_since: dict[str, float] = {}
-        self._last = -math.inf
-
-    def unreachable(self) -> list[str]:
-        """The hosts silent for :data:`UNREACHABLE_S` or longer (probes at most every
-        :data:`PROBE_EVERY_S`)."""
-        now = self.clock()
-        if now - self._last >= PROBE_EVERY_S:
-            self._last = now
-            for host, address in self.addresses.items():
-                if self.answers(address, self.port):
-                    self.silent_since.pop(host, None)
-                else:
-                    self.silent_since.setdefault(host, now)
-        return [h for h, t in self.silent_since.items() if now - t >= UNREACHABLE_S]
-
-
 def _open_mpi(launcher: Sequence[str]) -> bool:
     """The launcher's mpirun is Open MPI's (``--version``), not MPICH's hydra."""
     for word in launcher:
         if re.match(r"mpi(run|exec)", Path(word).name):
-            said = _run([word, "--version"], timeout=20)  # 4.x: "mpirun (OpenRTE) 4.1.4"
+            said = run([word, "--version"], timeout=20)  # 4.x: "mpirun (OpenRTE) 4.1.4"
             return "Open MPI" in said or "OpenRTE" in said
     return True
 
 
 def _launcher_name(launcher: Sequence[str]) -> str:
     return next((w for w in launcher if re.match(r"mpi(run|exec)", Path(w).name)), "mpirun")
-
-
-def _addresses(hosts: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for h in hosts:
-        try:
-            out[h] = socket.gethostbyname(h)
-        except OSError:
-            pass
-    return out
 
 
 def _marks(directory: Path) -> dict[int, Mark]:
@@ -224,7 +134,7 @@ class Attempt:
             self.argv = srun_argv(opts.command, self.hosts, per_node, self.name,
                                   srun_args=opts.srun_args, torchrun=opts.torchrun,
                                   attempt=attempt, environ=env)
-        self.reach = Reachability(_addresses(self.hosts), port)
+        self.reach = Reachability(addresses(self.hosts), port)
         # a session of its own: cancelling an mpirun ends its daemons' srun too
         self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE, text=True, env=env,
                                      errors="replace", start_new_session=True)
@@ -281,7 +191,7 @@ class Attempt:
         job (its daemons' srun has a name of mpirun's choosing; one attempt runs at a
         time)."""
         job = environ.get("SLURM_JOB_ID", "")
-        out = _run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], timeout=10)
+        out = run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], timeout=10)
         steps = [(i, n.strip()) for i, _, n in (line.partition(" ") for line in out.splitlines())]
         if self.mpirun:
             return [i for i, _ in steps if i.rpartition(".")[2].isdigit()]
@@ -295,7 +205,7 @@ class Attempt:
         the request is in once scancel has sent it, and the next attempt shares the CPUs
         the cut-off step still holds (``--overlap``)."""
         for step in self._step_ids(os.environ):
-            _run(["scancel", "--signal=KILL", step], timeout=CANCEL_S)
+            run(["scancel", "--signal=KILL", step], timeout=CANCEL_S)
         try:
             self.proc.wait(timeout=CANCEL_S)
         except subprocess.TimeoutExpired:
@@ -310,7 +220,7 @@ class Attempt:
         states = node_states(self.hosts)
         states.update(self.lost)
         return Evidence(code, failure.srun_exits(self.lines), _marks(self.error_dir),
-                        tuple(self.hosts), states, _addresses(self.hosts))
+                        tuple(self.hosts), states, addresses(self.hosts))
 
 
 def _attempt_env(base: Mapping[str, str], error_dir: Path, progress: Path,

@@ -50,7 +50,7 @@ COMPLETED, REQUEUED, INFRASTRUCTURE, APPLICATION = (
 #: Slurm node states (sinfo %T) that mean the host is gone; ``*`` = not responding.
 _GONE = ("down", "fail", "failing", "unknown", "future", "power_down", "powering_down")
 #: The state the supervisor gives a host that did not answer on slurmd's port for
-#: :data:`hpc.supervise.supervisor.UNREACHABLE_S` seconds (a cut link, a dead node), long
+#: :data:`hpc.supervise.hosts.UNREACHABLE_S` seconds (a cut link, a dead node), long
 #: before Slurm's own ``SlurmdTimeout`` (300 s by default) marks it not responding.
 UNREACHABLE = "unreachable"
 #: What a rank says when it only lost a peer (its own code is not at fault).

@@ -139,7 +139,7 @@ def test_a_rank_that_raised_before_the_watchdog_named_it_is_the_programs() -> No
 
 
 def test_a_host_silent_on_slurmds_port_for_6_s_is_unreachable_one_that_answers_again_not() -> None:
-    from hpc.supervise.supervisor import Reachability
+    from hpc.supervise.hosts import Reachability
 
     now, up = [0.0], {"10.0.0.1": True, "10.0.0.2": False}
     r = Reachability({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 6818,
