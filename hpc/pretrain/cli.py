@@ -20,7 +20,7 @@ from typing import Any
 from hpc.cli import stage
 from hpc.cli.main import subcommand
 from hpc.cli.stage import add_fields, add_stage_parser
-from hpc.pretrain.config import PretrainConfig
+from hpc.pretrain.config import SAMPLINGS, PretrainConfig
 
 __all__ = ["add_parser", "config_from_args", "main"]
 
@@ -48,6 +48,8 @@ FIELD_HELP = {
     "val_every": "validate every N epochs, 0 = last only",
     "recal_samples": "train images recalibrating BatchNorm per validated sub-net, 0 = off",
     "keep": "checkpoints kept",
+    "distill_temperature": "softmax temperature of --distill",
+    "distill_weight": "share of the distillation loss under --distill, 1 = teacher only",
 }
 
 
@@ -78,6 +80,13 @@ def _build(p: argparse.ArgumentParser) -> None:
       "every rank writing its share; resumable at another world size with --elastic")
     a("--max-steps", type=int, default=None,
       help="stop with a checkpoint after this global step (schedule still spans --epochs)")
+    a("--sampling", choices=SAMPLINGS, default=d.sampling,
+      help="sub-networks per step: uniform (each rank its own draw) or sandwich (the largest "
+      "and the smallest every step beside random ones, rotating over the ranks) "
+      "(default %(default)s)")
+    a("--distill", action="store_true",
+      help="in-place distillation: ranks that do not train the largest sub-network learn "
+      "from its soft labels on their own batch")
     a("--elastic", action="store_true",
       help="allow resuming with a different number of ranks (not exact)")
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")

@@ -9,11 +9,15 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["PretrainConfig", "EXACTNESS_FIELDS"]
+__all__ = ["PretrainConfig", "EXACTNESS_FIELDS", "SAMPLINGS"]
+
+#: The sampling recipes (:mod:`hpc.pretrain.sampling`).
+SAMPLINGS = ("uniform", "sandwich")
 
 #: Fields that must not change between a run and its resume for the resume to be exact.
 EXACTNESS_FIELDS = ("seed", "epochs", "batch_size", "lr", "optimizer", "momentum",
-                    "weight_decay", "label_smoothing", "data", "val_fraction", "width")
+                    "weight_decay", "label_smoothing", "data", "val_fraction", "width",
+                    "sampling", "distill", "distill_temperature", "distill_weight")
 
 
 @dataclasses.dataclass
@@ -57,6 +61,13 @@ class PretrainConfig:
         elastic: Allow resuming with a different world size: weights, optimizer and
             schedule continue, the epoch resumes near the same sample count, RNG
             streams are reseeded. Not exact; without it such a resume is refused.
+        sampling: Which sub-network each rank trains each step: ``uniform`` (each its own
+            random draw) or ``sandwich`` (the largest and the smallest every step beside
+            random ones, rotating over the ranks); see :mod:`hpc.pretrain.sampling`.
+        distill: In-place distillation: ranks that do not train the largest sub-network
+            learn from its soft labels on their own batch.
+        distill_temperature: Softmax temperature of the distillation.
+        distill_weight: Share of the distillation loss (1 = teacher only, 0 = labels only).
         max_steps: Stop (with a checkpoint) once this global step is reached, even
             mid-epoch; ``None`` = run all epochs. The schedule still spans ``epochs``.
         progress: Show a tqdm bar on local masters.
@@ -94,6 +105,10 @@ class PretrainConfig:
     ckpt_async: bool = False
     ckpt_sharded: bool = False
     elastic: bool = False
+    sampling: str = "uniform"
+    distill: bool = False
+    distill_temperature: float = 1.0
+    distill_weight: float = 1.0
     max_steps: Optional[int] = None
     progress: bool = True
     overlap: bool = False
@@ -116,6 +131,12 @@ class PretrainConfig:
             problems.append(f"optimizer={self.optimizer!r} (valid: 'sgd', 'adamw')")
         if not 0.0 < self.val_fraction < 1.0:
             problems.append(f"val_fraction={self.val_fraction} (must be in (0, 1))")
+        if self.sampling not in SAMPLINGS:
+            problems.append(f"sampling={self.sampling!r} (valid: {', '.join(SAMPLINGS)})")
+        if self.distill_temperature <= 0:
+            problems.append(f"distill_temperature={self.distill_temperature} (must be > 0)")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            problems.append(f"distill_weight={self.distill_weight} (must be in [0, 1])")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps={self.max_steps} (must be >= 1 or None)")
         if self.resume != "auto" and self.resume != "never" and not Path(self.resume).exists():

@@ -24,6 +24,7 @@ import hpc
 from hpc.checkpoint.asyncsave import wait_for_checkpoint
 from hpc.health.step import StepHealth
 from hpc.pretrain import resume as resume_mod
+from hpc.pretrain import sampling
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, epoch_batches, load_data, steps_per_epoch, val_shard
 from hpc.pretrain.evaluate import validate
@@ -167,6 +168,7 @@ class _Run:
         self.data = data = (data or load_data(cfg.data, cfg.seed, cfg.val_fraction)).to(self.dev)
         if space is None:
             space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
+        sampling.check_space(space, cfg.sampling, cfg.distill)
         space.to(self.dev)
         hpc.sync_model(space)
         self.space = space
@@ -284,8 +286,12 @@ class _Run:
         used = getattr(self.space, "used_parameters", None)
         if used is None or self.world < 2:
             return None
-        return [used(arch if r == self.rank else self.space.sample(
-            arch_generator(self.cfg.seed, r, self.step))) for r in range(self.world)]
+        return [used(arch if r == self.rank else self._arch(r)) for r in range(self.world)]
+
+    def _arch(self, rank: int) -> Any:
+        """The sub-network ``rank`` trains at this step (:mod:`hpc.pretrain.sampling`)."""
+        return sampling.arch_for(self.space, self.cfg.sampling, self.cfg.seed, rank,
+                                 self.world, self.step)
 
     def _step(self, idx: torch.Tensor, stop_requested: Optional[Callable[[], bool]]
               ) -> tuple[StepStats, float]:
@@ -293,11 +299,20 @@ class _Run:
         cfg, space, optimizer = self.cfg, self.space, self.optimizer
         t0 = time.perf_counter()
         self.step += 1
-        arch = space.sample(arch_generator(cfg.seed, self.rank, self.step))
+        arch = self._arch(self.rank)
         xb, yb = self.data.x_train[idx], self.data.y_train[idx]
         optimizer.zero_grad(set_to_none=True)
+        teacher = None
+        if cfg.distill and arch != (largest := space.largest()):
+            with torch.no_grad():
+                teacher = space(xb, largest)
         out = space(xb, arch)
-        loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
+        if teacher is None:
+            loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
+        else:
+            loss = sampling.distill_loss(out, teacher, yb, temperature=cfg.distill_temperature,
+                                         weight=cfg.distill_weight,
+                                         label_smoothing=cfg.label_smoothing)
         if cfg.overlap:
             self.grad_sync.backward(loss, users=self._users(arch))
         else:

@@ -123,6 +123,20 @@ class Supernet(nn.Module):
         draw = torch.randint(len(self.candidates), (len(self.blocks),), generator=generator)
         return tuple(int(i) for i in draw)
 
+    def largest(self) -> tuple[int, ...]:
+        """The sub-network with the most parameters: each block's largest candidate
+        (``conv5x5``), for the sandwich rule (:mod:`hpc.pretrain.sampling`)."""
+        return self._by_size(max)
+
+    def smallest(self) -> tuple[int, ...]:
+        """The sub-network with the fewest parameters (each block ``identity``)."""
+        return self._by_size(min)
+
+    def _by_size(self, pick: Any) -> tuple[int, ...]:
+        sizes = [[sum(p.numel() for p in op.parameters()) for op in block]
+                 for block in self.blocks]
+        return tuple(pick(range(len(s)), key=lambda i, s=s: s[i]) for s in sizes)
+
     def choices(self) -> list[int]:
         """Number of candidates of each block (what search enumerates and mutates)."""
         return [len(self.candidates)] * len(self.blocks)

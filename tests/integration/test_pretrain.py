@@ -364,3 +364,27 @@ def test_data_file_and_adamw(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert f"{bad} lacks ['y_train', 'x_val', 'y_val']; it holds ['x_train']" in proc.stderr, \
         proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_sandwich_with_distillation_resumes_mid_epoch_bitwise(tmp_path: Path) -> None:
+    """``--sampling sandwich --distill`` on 2 ranks (each step one trains the largest
+    sub-network, the other the smallest and learns from the largest's soft labels): every
+    step identical across ranks; stopped at step 6 (mid-epoch) and resumed, bitwise the
+    uninterrupted run."""
+    recipe = ["--sampling", "sandwich", "--distill", "--distill-temperature", "2"]
+    whole = tmp_path / "whole"
+    ok(run(2, *TINY, *recipe, "--check-sync", "--out", str(whole)))
+    assert result(whole)["sync_checks"] == STEPS
+    out = tmp_path / "run"
+    ok(run(2, *TINY, *recipe, "--max-steps", "6", "--ckpt-every", "3", "--out", str(out)))
+    assert result(out)["status"] == "stopped"
+    proc = ok(run(2, *TINY, *recipe, "--out", str(out)))
+    assert "resumed from" in proc.stderr and "not exact" not in proc.stderr
+    assert_same_state(final_state(whole), final_state(out))
+    assert _losses(out) == _losses(whole)
+    # the recipe is part of the run: resuming it with another one says so
+    plain = tmp_path / "plain"
+    ok(run(2, *TINY, *recipe, "--max-steps", "3", "--out", str(plain)))
+    proc = ok(run(2, *TINY, "--max-steps", "4", "--out", str(plain)))
+    assert "sampling: 'sandwich' -> 'uniform'" in proc.stderr, proc.stderr
