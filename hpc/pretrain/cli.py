@@ -60,7 +60,8 @@ def _build(p: argparse.ArgumentParser) -> None:
     a("--optimizer", choices=("sgd", "adamw"), default=d.optimizer,
       help=f"optimizer (default {d.optimizer}, Nesterov momentum)")
     a("--data", default=None, metavar="FILE",
-      help="an .npz/.pt file with x_train,y_train,x_val,y_val (default: sklearn digits)")
+      help="an .npz/.pt file with x_train,y_train,x_val,y_val, or digits-hard (shifted, "
+      "noisy, half the training images) (default: sklearn digits)")
     a("--out", default=d.out, metavar="DIR",
       help=f"run directory, written by rank 0 (default {d.out})")
     a("--no-out", dest="out", action="store_const", const=None,
@@ -82,7 +83,7 @@ def _build(p: argparse.ArgumentParser) -> None:
       help="stop with a checkpoint after this global step (schedule still spans --epochs)")
     a("--sampling", choices=SAMPLINGS, default=d.sampling,
       help="sub-networks per step: uniform (each rank its own draw) or sandwich (the largest "
-      "and the smallest every step beside random ones, rotating over the ranks) "
+      "and the smallest beside two random ones, the positions rotating over ranks and steps) "
       "(default %(default)s)")
     a("--distill", action="store_true",
       help="in-place distillation: ranks that do not train the largest sub-network learn "

@@ -62,8 +62,8 @@ class PretrainConfig:
             schedule continue, the epoch resumes near the same sample count, RNG
             streams are reseeded. Not exact; without it such a resume is refused.
         sampling: Which sub-network each rank trains each step: ``uniform`` (each its own
-            random draw) or ``sandwich`` (the largest and the smallest every step beside
-            random ones, rotating over the ranks); see :mod:`hpc.pretrain.sampling`.
+            random draw) or ``sandwich`` (the largest and the smallest beside random
+            ones, four positions rotating over the ranks and steps); see :mod:`hpc.pretrain.sampling`.
         distill: In-place distillation: ranks that do not train the largest sub-network
             learn from its soft labels on their own batch.
         distill_temperature: Softmax temperature of the distillation.

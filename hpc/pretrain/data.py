@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-__all__ = ["PretrainData", "load_digits", "load_file", "load_data", "epoch_batches",
-           "steps_per_epoch", "val_shard", "KEYS"]
+__all__ = ["PretrainData", "load_digits", "load_digits_hard", "load_file", "load_data",
+           "epoch_batches", "steps_per_epoch", "val_shard", "KEYS", "BUILTIN", "HARD_CANVAS",
+           "HARD_NOISE", "HARD_KEEP"]
 
 #: Keys of a user data file.
 KEYS = ("x_train", "y_train", "x_val", "y_val")
@@ -112,6 +113,50 @@ def load_digits(seed: int = 0, val_fraction: float = 0.2) -> PretrainData:
                         torch.from_numpy(y_val), name="sklearn-digits")
 
 
+#: ``--data`` names of the built-in data sets (anything else is a file path).
+BUILTIN = ("digits", "digits-hard")
+#: digits-hard: canvas side, noise (in pixel units of [0, 1]) and the share of the
+#: training split kept.
+HARD_CANVAS, HARD_NOISE, HARD_KEEP = 12, 0.3, 0.5
+
+
+def load_digits_hard(seed: int = 0, val_fraction: float = 0.2) -> PretrainData:
+    """A harder digits, for telling sub-networks apart (where plain digits saturates).
+
+    Generated from scikit-learn's digits with the same seeded stratified split as
+    :func:`load_digits`: each 8x8 image is placed at a random offset on a
+    :data:`HARD_CANVAS` x :data:`HARD_CANVAS` canvas (0..4 pixels each way), Gaussian
+    noise of standard deviation :data:`HARD_NOISE` is added, and only :data:`HARD_KEEP`
+    of the training split is kept (stratified). Train and validation images get their
+    own random streams, all derived from ``seed``; standardised with the training split's
+    statistics.
+    """
+    from sklearn.datasets import load_digits as sk_load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = sk_load_digits()
+    x = bunch.images.astype(np.float32) / 16.0
+    y = bunch.target.astype(np.int64)
+    x_train, x_val, y_train, y_val = train_test_split(
+        x, y, test_size=val_fraction, random_state=seed, stratify=y)
+    x_train, _, y_train, _ = train_test_split(x_train, y_train, train_size=HARD_KEEP,
+                                              random_state=seed, stratify=y_train)
+
+    def distort(images: np.ndarray, stream: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, stream])
+        room = HARD_CANVAS - 8
+        out = np.zeros((len(images), 1, HARD_CANVAS, HARD_CANVAS), np.float32)
+        for i, (dy, dx) in enumerate(rng.integers(0, room + 1, size=(len(images), 2))):
+            out[i, 0, dy:dy + 8, dx:dx + 8] = images[i]
+        return out + rng.normal(0.0, HARD_NOISE, out.shape).astype(np.float32)
+
+    x_train, x_val = distort(x_train, 1), distort(x_val, 2)
+    mean, std = float(x_train.mean()), float(x_train.std())
+    x_train, x_val = (x_train - mean) / std, (x_val - mean) / std
+    return PretrainData(torch.from_numpy(x_train), torch.from_numpy(y_train),
+                        torch.from_numpy(x_val), torch.from_numpy(y_val), name="digits-hard")
+
+
 def load_file(path: Union[str, Path]) -> PretrainData:
     """Load a user ``.npz`` (numpy) or ``.pt`` (dict of tensors) data file.
 
@@ -143,8 +188,13 @@ def load_file(path: Union[str, Path]) -> PretrainData:
 
 def load_data(path: Optional[str] = None, seed: int = 0,
               val_fraction: float = 0.2) -> PretrainData:
-    """:func:`load_file` when ``path`` is given, else :func:`load_digits`."""
-    return load_file(path) if path else load_digits(seed, val_fraction)
+    """:func:`load_digits` for no ``path`` or ``"digits"``, :func:`load_digits_hard` for
+    ``"digits-hard"``, else :func:`load_file`."""
+    if not path or path == "digits":
+        return load_digits(seed, val_fraction)
+    if path == "digits-hard":
+        return load_digits_hard(seed, val_fraction)
+    return load_file(path)
 
 
 def _sampler(n: int, world: int, rank: int, seed: int) -> DistributedSampler:

@@ -4,12 +4,15 @@ Pure. Two recipes (``PretrainConfig.sampling``):
 
 - ``uniform``: every rank draws its own sub-network from ``arch_generator(seed, rank,
   step)`` (single-path one-shot training);
-- ``sandwich`` (BigNAS, AttentiveNAS): every step the largest and the smallest
-  sub-network are trained next to random ones, spread over the ranks. Rank ``r`` at step
-  ``s`` takes position ``(r + s) mod world``: position 0 trains the largest, position 1 the
-  smallest, the others draw as under ``uniform``. The roles rotate, so the largest (the
-  slowest step) moves from rank to rank instead of holding one back every step. On one
-  rank the positions take turns over steps (``s mod 3``): largest, smallest, random.
+- ``sandwich`` (BigNAS, AttentiveNAS): the largest and the smallest sub-network are
+  trained beside random ones, BigNAS's four a step (largest, smallest, two random) spread
+  over the ranks. Rank ``r`` at step ``s`` takes position ``(r + s) mod P`` with ``P =
+  max(world, 4)``: position 0 trains the largest, position 1 the smallest, the others draw
+  as under ``uniform``. With 4 ranks or more every step trains the largest and the
+  smallest once; with fewer, the four positions take turns over consecutive steps (every
+  rank passes through each of them every 4 steps), so the middle candidates still get
+  trained. The roles rotate, so the largest (the slowest step) moves from rank to rank
+  instead of holding one back every step.
 
 In-place distillation (``distill``): a rank that does not train the largest sub-network
 first runs the largest on its own batch without gradients (the teacher) and learns from
@@ -34,6 +37,8 @@ from hpc.pretrain.space import arch_generator
 __all__ = ["SAMPLINGS", "LARGEST", "SMALLEST", "RANDOM", "role", "arch_for", "distill_loss",
            "check_space"]
 
+#: BigNAS's sub-networks a step: the largest, the smallest and two random ones.
+POSITIONS = 4
 #: The roles of :func:`role`.
 LARGEST, SMALLEST, RANDOM = "largest", "smallest", "random"
 
@@ -41,7 +46,7 @@ LARGEST, SMALLEST, RANDOM = "largest", "smallest", "random"
 def role(rank: int, world: int, step: int) -> str:
     """The sandwich role of ``rank`` at ``step``: ``"largest"``, ``"smallest"`` or
     ``"random"`` (module docstring)."""
-    position = (rank + step) % world if world >= 2 else step % 3
+    position = (rank + step) % max(world, POSITIONS)
     return (LARGEST, SMALLEST)[position] if position < 2 else RANDOM
 
 

@@ -368,10 +368,10 @@ def test_data_file_and_adamw(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_sandwich_with_distillation_resumes_mid_epoch_bitwise(tmp_path: Path) -> None:
-    """``--sampling sandwich --distill`` on 2 ranks (each step one trains the largest
-    sub-network, the other the smallest and learns from the largest's soft labels): every
-    step identical across ranks; stopped at step 6 (mid-epoch) and resumed, bitwise the
-    uninterrupted run."""
+    """``--sampling sandwich --distill`` on 2 ranks (the four positions, largest, smallest
+    and two random, take turns over the steps; the ranks not on the largest learn from its
+    soft labels): every step identical across ranks; stopped at step 6 (mid-epoch) and
+    resumed, bitwise the uninterrupted run."""
     recipe = ["--sampling", "sandwich", "--distill", "--distill-temperature", "2"]
     whole = tmp_path / "whole"
     ok(run(2, *TINY, *recipe, "--check-sync", "--out", str(whole)))
