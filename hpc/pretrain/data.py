@@ -115,8 +115,8 @@ def load_digits(seed: int = 0, val_fraction: float = 0.2) -> PretrainData:
 
 #: ``--data`` names of the built-in data sets (anything else is a file path).
 BUILTIN = ("digits", "digits-hard")
-#: digits-hard: canvas side, noise (in pixel units of [0, 1]) and the share of the
-#: training split kept.
+#: The canvas side, the noise (in pixel units of [0, 1]) and the share of the training
+#: split kept of :func:`load_digits_hard`.
 HARD_CANVAS, HARD_NOISE, HARD_KEEP = 12, 0.3, 0.5
 
 
