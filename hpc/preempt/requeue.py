@@ -187,13 +187,18 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = ()) -> Optional[str]:
     bad = list(dict.fromkeys([*hosts, *ledger]))
     if not bad:
         return None
+    kept: list[str] = []
     try:
         shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
                                text=True, timeout=60).stdout
-        current = next((w.split("=", 1)[1] for w in shown.split()
-                        if w.startswith("ExcNodeList=")), "(null)")
-        merged = ",".join(([] if current in ("", "(null)") else [current])
-                          + [h for h in bad if h not in current.split(",")])
+        fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
+        current = fields.get("ExcNodeList", "(null)")
+        before = [] if current in ("", "(null)") else current.split(",")
+        bad, kept = _placeable(bad, before, fields)
+        if not bad:
+            return (f"not excluding {', '.join(kept)}: {_left_text(kept, before, fields)}"
+                    if kept else None)
+        merged = ",".join(before + [h for h in bad if h not in before])
         proc = subprocess.run(["scontrol", "update", f"JobId={job_id}",
                                f"ExcNodeList={merged}"], capture_output=True, text=True,
                               timeout=60)
@@ -204,11 +209,50 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = ()) -> Optional[str]:
                        "ExcNodeList` said %s", ", ".join(bad), job_id,
                        (proc.stderr or proc.stdout).strip() or proc.returncode)
         return None
-    why = [f"{', '.join(hosts)} failed in this job"] if hosts else []
-    if ledger:
-        why.append(f"{', '.join(ledger)}: bad-node ledger, {STRIKES} live strikes; hpc nodes "
-                   "--clear HOST allows one again")
-    return f"excluding {', '.join(bad)} ({'; '.join(why)})"
+    failed = [h for h in hosts if h in bad]
+    why = [f"{', '.join(failed)} failed in this job"] if failed else []
+    if [h for h in ledger if h in bad]:
+        why.append(f"{', '.join(h for h in ledger if h in bad)}: bad-node ledger, {STRIKES} "
+                   "live strikes; hpc nodes --clear HOST allows one again")
+    said = f"excluding {', '.join(bad)} ({'; '.join(why)})"
+    if kept:
+        said += f"; not excluding {', '.join(kept)}: {_left_text(kept, before, fields)}"
+    return said
+
+
+def _partition_nodes(partition: str) -> list[str]:
+    """The nodes of ``partition`` (``sinfo -N``), empty when sinfo cannot say."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return list(dict.fromkeys(out.split()))
+
+
+def _placeable(bad: Sequence[str], before: Sequence[str], fields: dict[str, str]
+               ) -> tuple[list[str], list[str]]:
+    """(hosts to exclude, hosts left in): as many of ``bad``, in order, as leave the job's
+    partition enough nodes for it (``NumNodes``); a requeued job that excludes too many
+    would pend for ever (``BadConstraints``)."""
+    nodes = _partition_nodes(fields.get("Partition", "").split(",")[0])
+    need = int((fields.get("NumNodes", "0").split("-")[0]) or 0)
+    if not nodes or need < 1:
+        return list(bad), []
+    left = [n for n in nodes if n not in before]
+    out, kept = [], []
+    for h in bad:
+        if h in left and len(left) - 1 < need:
+            kept.append(h)
+            continue
+        out.append(h)
+        left = [n for n in left if n != h]
+    return out, kept
+
+
+def _left_text(kept: Sequence[str], before: Sequence[str], fields: dict[str, str]) -> str:
+    return (f"partition {fields.get('Partition', '?')} would keep too few nodes for this "
+            f"{fields.get('NumNodes', '?')}-node job (it would pend for ever)")
 
 
 def _decide(step: int, checkpoint: Optional[str], signame: str,

@@ -231,6 +231,11 @@ def _attempt_env(base: Mapping[str, str], error_dir: Path, progress: Path,
            "HPC_ATTEMPT": str(attempt)}
     if attempt > 0 or read_budget(base).restarts > 0:
         env.pop("HPC_FAULT", None)  # an injected crash is one crash, requeues included
+        # `sbatch --export=ALL,HPC_FAULT=...` leaves SLURM_EXPORT_ENV with the fault in it,
+        # and srun (torchrun's, mpirun's too) reads it as its --export: every attempt's
+        # ranks got the fault back. What it names is in this environment already.
+        if "HPC_FAULT" in env.get("SLURM_EXPORT_ENV", ""):
+            env["SLURM_EXPORT_ENV"] = "ALL"
     return env
 
 

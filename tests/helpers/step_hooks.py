@@ -76,3 +76,15 @@ def buggy(rank: int, at: int) -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {"HPC_STEP_HOOK": f"{__name__}:shape_bug", "HPC_TEST_BUG_RANK": str(rank),
             "HPC_TEST_BUG_AT": str(at), "PYTHONPATH": path}
+
+
+def kill_rank_first_run() -> None:
+    """:func:`kill_rank`, in every attempt of the job's first run only (``SLURM_RESTART_COUNT``
+    unset or 0): a fault that follows the rank to a spare, and is gone after a requeue."""
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+        kill_rank()
+
+
+def killing_first_run(rank: int, at: int) -> dict[str, str]:
+    """:func:`killing` for :func:`kill_rank_first_run`."""
+    return {**killing(rank, at), "HPC_STEP_HOOK": f"{__name__}:kill_rank_first_run"}

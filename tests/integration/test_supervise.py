@@ -51,7 +51,7 @@ from tests.helpers.slurm import (
     until,
     wait_for_file,
 )
-from tests.helpers.step_hooks import buggy, killing, slowed
+from tests.helpers.step_hooks import buggy, killing, killing_first_run, slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
     TINY_ARGS,
@@ -108,15 +108,19 @@ def test_a_crashed_node_is_replaced_by_the_spare_and_the_run_ends_bitwise(
     # 0.6 s a step: the relaunch runs ~10 s, past the supervisor's settle time (the empty
     # faulthandler files of healthy ranks once counted as marks, and cancelled a healthy
     # step 8 s after its ranks started)
-    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1", HPC_FAULT=CRASH_NODE2)
+    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1")
+    # the fault through sbatch's --export (as docs/resilience.md shows): srun reads
+    # SLURM_EXPORT_ENV, and once gave the relaunch the fault back (one rank: a comma would
+    # end the value there)
     job_id, rc, text = sbatch_wait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
-                                    TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path,
-                                   timeout=240, env=env)
+                                    "--export=ALL,HPC_FAULT=2:7:kill", TEMPLATE, *TINY_ARGS,
+                                    "--out", str(out)], tmp_path, timeout=240, env=env)
     assert rc == 0, text[-4000:]
     assert " hpc supervise: 2 of 3 hosts, 2 tasks each; spares node3" in text, text[-4000:]
     decisions = _decisions(text)
     assert len(decisions) == 1 and text.count("cancelling it") == 1, text[-4000:]
-    assert re.search(r"attempt 0 failed: node2: ranks 2-3 .* -> infrastructure \(node2 "
+    assert text.count("SIGKILL to rank 2") == 1, text[-4000:]
+    assert re.search(r"attempt 0 failed: node2: rank 2 .* -> infrastructure \(node2 "
                      r"excluded\); relaunching on node1,node3 from step 6 ", decisions[0]), \
         decisions
     assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]  # one allocation
@@ -435,3 +439,33 @@ def test_array_tasks_each_replace_their_own_crashed_host(tmp_path: Path) -> None
     finally:
         for job_id in ids:
             subprocess.run(["scancel", job_id], check=False, timeout=20)
+
+
+@pytest.mark.timeout(360)
+def test_a_requeue_excludes_no_more_hosts_than_leave_room_for_the_job(
+        tiny_reference: Path, tmp_path: Path, cancel_after: list[str]) -> None:
+    """3 of the 4 nodes, 1 spare; rank 2 SIGKILLed at its 7th step in every attempt of the
+    first run: node2 fails, the spare node3 takes over and fails too. Excluding both would
+    leave partition four 2 nodes for a 3-node job, pending for ever (BadConstraints):
+    the requeue excludes node2 only, says why not node3, and the second run completes."""
+    out = tmp_path / "run"
+    env = slurm_env(**ENV, **killing_first_run(rank=2, at=7), HPC_SPARE_NODES="1")
+    job_id = sbatch_nowait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
+                            TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path, env,
+                           cancel_after)
+    last = jobwatch.wait(job_id, timeout=300)
+    text = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
+    assert last.word == "COMPLETED", text[-4000:]
+    decisions = _decisions(text)
+    assert len(decisions) == 2, text[-4000:]
+    first = re.search(r"attempt 0 failed: (node\d): .*\(\1 excluded\); relaunching on "
+                      r"node\d,(node\d) ", decisions[0])
+    assert first, decisions
+    failed, spare = first[1], first[2]
+    assert f"no spare: requeueing without {failed},{spare}" in decisions[1], decisions
+    assert re.search(rf"requeued job \d+; excluding {failed} \({failed} failed in this job\); "
+                     rf"not excluding {spare}: partition four would keep too few nodes for "
+                     r"this 3-node job", text), text[-4000:]
+    assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
+    assert_each_step_once(out)
+    assert_same_final_weights(out, tiny_reference)

@@ -217,3 +217,19 @@ def test_the_mpirun_attempt_gets_its_hosts_and_a_master_on_the_first() -> None:
     env = mpirun_env(["node2", "node3"], {"SLURM_JOB_ID": "7"}, 1)
     assert env["MASTER_ADDR"] == "node2"
     assert env["MASTER_PORT"] != mpirun_env(["node2"], {"SLURM_JOB_ID": "7"}, 2)["MASTER_PORT"]
+
+
+def test_a_relaunch_drops_hpc_fault_also_from_sbatchs_export_list(tmp_path) -> None:
+    """``sbatch --export=ALL,HPC_FAULT=2:7:kill``: srun reads SLURM_EXPORT_ENV as its
+    --export, which gave every attempt's ranks the fault back (a user's run showed it)."""
+    from hpc.supervise.supervisor import _attempt_env
+
+    base = {"HPC_FAULT": "2:7:kill", "SLURM_EXPORT_ENV": "ALL,HPC_FAULT=2:7:kill,A=1"}
+    first = _attempt_env(base, tmp_path, tmp_path / "p.json", 0)
+    assert first["HPC_FAULT"] == "2:7:kill" and first["SLURM_EXPORT_ENV"] == base[
+        "SLURM_EXPORT_ENV"]
+    later = _attempt_env(base, tmp_path, tmp_path / "p.json", 1)
+    assert "HPC_FAULT" not in later and later["SLURM_EXPORT_ENV"] == "ALL"
+    requeued = _attempt_env({**base, "SLURM_RESTART_COUNT": "1"}, tmp_path,
+                            tmp_path / "p.json", 0)
+    assert "HPC_FAULT" not in requeued and "HPC_FAULT" not in requeued["SLURM_EXPORT_ENV"]
