@@ -4,8 +4,9 @@ Pure: :func:`decide` takes the verdict of the attempt that just failed and the
 supervision's state, and returns a :class:`Decision`:
 
 - an application failure ends the job (no retry);
-- the same infrastructure verdict twice at the same checkpoint step is the program's
-  (it fails where it is, not where it runs): ends the job;
+- the same infrastructure verdict twice at the same checkpoint step (its evidence read
+  without the host names: the same ranks killed the same way) is the program's (it fails
+  where it is, not where it runs): ends the job, and strikes no host;
 - the budget: each restart costs 1, a restart after an attempt that wrote no new
   checkpoint costs 2 (:data:`NO_PROGRESS_COST`); past ``max_restarts``, or after two
   attempts in a row without progress, the job ends;
@@ -46,7 +47,7 @@ class State:
         excluded: Hosts left out for the rest of the job.
         spent: Budget used.
         stalled: Attempts in a row that wrote no new checkpoint.
-        last: ``(verdict evidence kind, culprits, checkpoint step)`` of the previous
+        last: ``(verdict evidence without its hosts, checkpoint step)`` of the previous
             failure, for the "same failure at the same step" rule.
     """
 
@@ -57,7 +58,7 @@ class State:
     excluded: tuple[str, ...] = ()
     spent: int = 0
     stalled: int = 0
-    last: Optional[tuple[str, tuple[str, ...], Optional[int]]] = None
+    last: Optional[tuple[str, Optional[int]]] = None
 
     def usable(self) -> list[str]:
         return [h for h in self.allocation if h not in self.excluded]
@@ -75,6 +76,9 @@ class Decision:
     hosts: tuple[str, ...] = ()
     why: str = ""
     state: State = field(default=None)  # type: ignore[assignment]
+    #: The failure turned out to be the program's (the same at the same step on another
+    #: host): no host is struck.
+    program: bool = False
 
 
 def decide(state: State, verdict: Verdict, progressed: bool,
@@ -89,10 +93,7 @@ def decide(state: State, verdict: Verdict, progressed: bool,
     """
     if not verdict.restartable:
         return Decision(END, why=f"{verdict.kind} failure: no restart", state=state)
-    signature = (verdict.evidence.split(":")[0], verdict.culprits, step)
-    if state.last == signature:
-        return Decision(END, why="the same failure at the same checkpoint step twice: "
-                        "the program's, not a host's", state=state)
+    signature = (_without_hosts(verdict), step)
     stalled = 0 if progressed else state.stalled + 1
     spent = state.spent + (1 if progressed else NO_PROGRESS_COST)
     excluded = tuple(dict.fromkeys((*state.excluded, *verdict.culprits)))
@@ -100,6 +101,10 @@ def decide(state: State, verdict: Verdict, progressed: bool,
     if stalled >= NO_PROGRESS_LIMIT:
         return Decision(END, why=f"{stalled} attempts in a row wrote no new checkpoint "
                         "(no-progress limit)", state=new)
+    if state.last == signature:
+        return Decision(END, why="the same failure at the same checkpoint step twice, on "
+                        "another host: the program's, not a host's (no strike)",
+                        state=replace(state, stalled=stalled, spent=spent), program=True)
     if spent > state.max_restarts:
         return Decision(END, why=f"restart budget spent ({spent} > --max-restarts "
                         f"{state.max_restarts}; an attempt without a new checkpoint costs "
@@ -112,6 +117,15 @@ def decide(state: State, verdict: Verdict, progressed: bool,
     if not hosts:
         return Decision(END, why="no healthy host left", state=new)
     return Decision(RELAUNCH, tuple(hosts), state=new)
+
+
+def _without_hosts(verdict: Verdict) -> str:
+    """The verdict's evidence with its culprit hosts blanked: a fault that follows the
+    program (the same ranks killed at the same step) reads the same on every host."""
+    text = verdict.evidence
+    for host in verdict.culprits:
+        text = text.replace(host, "*")
+    return text
 
 
 def spares(allocation: Sequence[str], nodes: int) -> list[str]:

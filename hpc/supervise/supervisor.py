@@ -304,7 +304,8 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
             step = now.step if now else None
             decision = plans.decide(state, verdict, progressed, step)
             say(_restart_line(verdict, decision, step, attempt))
-            _strike(verdict, env)
+            if not decision.program:
+                _strike(verdict, env)
             state = decision.state
             if decision.action == plans.RELAUNCH:
                 attempt, run_on = attempt + 1, list(decision.hosts)

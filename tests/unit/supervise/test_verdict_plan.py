@@ -233,3 +233,21 @@ def test_a_relaunch_drops_hpc_fault_also_from_sbatchs_export_list(tmp_path) -> N
     requeued = _attempt_env({**base, "SLURM_RESTART_COUNT": "1"}, tmp_path,
                             tmp_path / "p.json", 0)
     assert "HPC_FAULT" not in requeued and "HPC_FAULT" not in requeued["SLURM_EXPORT_ENV"]
+
+
+def test_the_same_ranks_killed_at_the_same_step_on_another_host_are_the_programs() -> None:
+    """A user's job: rank 2 SIGKILLed at step 12 on node2, then again on the spare node3
+    after resuming from checkpoint 10 (the fault followed the rank)."""
+    s = plan.State(("node1", "node2", "node3"), 2)
+
+    def killed(host: str) -> object:
+        return classify(Evidence(137, _lines(f"srun: error: {host}: task 2: Killed"),
+                                 hosts=("node1", "node1", host, host)))
+
+    d = plan.decide(s, killed("node2"), progressed=True, step=10)
+    assert d.action == plan.RELAUNCH and not d.program
+    d2 = plan.decide(d.state, killed("node3"), progressed=False, step=10)
+    assert d2.action == plan.END and d2.program and "the program's" in d2.why, d2
+    assert d2.state.excluded == ("node2",)  # node3 is not held against
+    d3 = plan.decide(d.state, killed("node3"), progressed=True, step=15)
+    assert d3.action == plan.REQUEUE and not d3.program  # progressed: another failure
