@@ -10,15 +10,18 @@ random distinct others, drawn from ``--seed``), this compares
   epochs (SGD, cosine, batch 64) with ``--seeds`` seeds, the mean of the seeds.
 
 Prints per run: Kendall's tau with a 95 % bootstrap interval (2000 resamples of the
-sub-networks), the top-10 % overlap, where the run's best inherited sub-network (the
-search's pick among them) lands in the stand-alone ranking, and the largest's and the
-smallest's inherited accuracies. Stand-alone results are cached in ``--cache`` (they do not
-depend on the supernet). Distributed like ``hpc search``: under ``hpc run --nproc N`` each
-rank trains and scores its share, the results are gathered.
+sub-networks), the top-10 % overlap, where the run's best inherited sub-network lands in
+the stand-alone ranking, and the largest's and the smallest's inherited accuracies. When
+the run holds ``search/search.json`` (``hpc search --run RUN``), its pick is trained
+stand-alone too (same budget and seeds) and placed among the others. Stand-alone results
+are cached in ``--cache`` (they do not depend on the supernet). Distributed like ``hpc
+search``: under ``hpc run --nproc N`` each rank trains and scores its share, the results
+are gathered.
 
     hpc run --nproc 2 -- hpc pretrain --data digits-hard --width 16 --out runs/uniform
     hpc run --nproc 2 -- hpc pretrain --data digits-hard --width 16 --sampling sandwich \\
         --distill --out runs/sandwich
+    hpc run --nproc 2 -- hpc search --run runs/uniform    # optional: place its pick
     flock /tmp/hpc-heavy.lock hpc run --nproc 2 -- python bench/ranking.py \\
         --run runs/uniform --run runs/sandwich
 """
@@ -93,6 +96,13 @@ def inherited(run: Path, archs: list, data: Any, recal: int, seed: int) -> list[
     return acc
 
 
+def _search_pick(run: Path) -> tuple[int, ...] | None:
+    found = run / "search" / "search.json"
+    if not found.exists():
+        return None
+    return tuple(json.loads(found.read_text())["best"]["arch"])
+
+
 def kendall(a: list[float], b: list[float]) -> float:
     """Kendall's tau-b."""
     from scipy.stats import kendalltau
@@ -159,16 +169,37 @@ def main() -> int:
         print(f"{len(archs)} sub-networks of width {args.width} on {args.data}, stand-alone "
               f"{args.epochs} epochs x {args.seeds} seeds: best {alone[order[0]]:.4f}, "
               f"worst {alone[order[-1]]:.4f}, largest {alone[0]:.4f}, smallest {alone[1]:.4f}")
-    for run in args.run:
+    picks = [_search_pick(run) for run in args.run]
+    extra = sorted({p for p in picks if p is not None and p not in archs})
+    picked: dict[tuple[int, ...], float] = {}
+    if extra:  # the searches' picks outside the set: trained stand-alone the same way
+        pkey = f"{key}:picks"
+        have = {tuple(json.loads(k)): v for k, v in cached.get(pkey, {}).items()}
+        todo = [(a, sd) for a in extra if a not in have for sd in range(args.seeds)]
+        accs = _shared(todo, lambda j: standalone(j[0], j[1], data, args.width, args.epochs))
+        for i in range(0, len(todo), args.seeds):
+            have[todo[i][0]] = sum(accs[i:i + args.seeds]) / args.seeds
+        picked = have
+        if master:
+            cached = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+            cached[pkey] = {json.dumps(list(a)): v for a, v in have.items()}
+            args.cache.write_text(json.dumps(cached))
+    for run, searched in zip(args.run, picks):
         got = _shared(list(range(len(archs))), lambda i, run=run: inherited(
             run, [archs[i]], data, args.recal, args.seed)[0])
         if not master:
             continue
+        if searched is not None:
+            acc = alone[archs.index(searched)] if searched in archs else picked[searched]
+            place = 1 + sum(a > acc for a in alone)
+            print(f"{run}: hpc search picked {searched}: stand-alone {acc:.4f}, #{place} "
+                  f"among the {len(archs)} ({'in' if place <= k else 'not in'} the top {k})")
         tau, (low, high) = kendall(got, alone), interval(got, alone)
         top = set(sorted(range(len(archs)), key=lambda i: -got[i])[:k])
         pick = max(range(len(archs)), key=lambda i: got[i])
         print(f"{run}: tau {tau:.3f} [{low:.3f}, {high:.3f}]; top-{k} overlap "
-              f"{len(top & set(order[:k]))}/{k}; pick {archs[pick]} is #{order.index(pick) + 1} of {len(archs)} stand-alone; inherited largest "
+              f"{len(top & set(order[:k]))}/{k}; best inherited {archs[pick]} is "
+              f"#{order.index(pick) + 1} of {len(archs)} stand-alone; inherited largest "
               f"{got[0]:.4f} smallest {got[1]:.4f} best {got[pick]:.4f}", flush=True)
     return 0
 
