@@ -167,10 +167,13 @@ def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str
     return None, "scontrol"
 
 
-def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = ()) -> Optional[str]:
+def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = (),
+                      nodes: Optional[int] = None) -> Optional[str]:
     """Add ``hosts`` and the bad-node ledger's hosts (:meth:`hpc.ledger.Ledger.excluded`)
     to the ``ExcNodeList`` of ``job_id``, a requeued job that is pending again (``scontrol
-    update``; Slurm refuses it for a running job). The job's own exclusions stay.
+    update``; Slurm refuses it for a running job). The job's own exclusions stay. No
+    more hosts are excluded than leave the job's partition ``nodes`` nodes (default
+    ``SLURM_JOB_NUM_NODES``; ``scontrol`` shows 1 for a job still completing its requeue).
 
     Returns:
         What was done (``excluding node3 (bad-node ledger: ...)``), or None: nothing to
@@ -189,19 +192,18 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = ()) -> Optional[str]:
         return None
     kept: list[str] = []
     try:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                               text=True, timeout=60).stdout
+        shown = _shielded(["scontrol", "show", "job", "-o", job_id], 60).stdout
         fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
         current = fields.get("ExcNodeList", "(null)")
         before = [] if current in ("", "(null)") else current.split(",")
-        bad, kept = _placeable(bad, before, fields)
+        need = nodes or int(os.environ.get("SLURM_JOB_NUM_NODES") or 0)
+        bad, kept = _placeable(bad, before, fields.get("Partition", ""), need)
         if not bad:
-            return (f"not excluding {', '.join(kept)}: {_left_text(kept, before, fields)}"
-                    if kept else None)
+            return (f"not excluding {', '.join(kept)}: "
+                    f"{_left_text(fields.get('Partition', ''), need)}" if kept else None)
         merged = ",".join(before + [h for h in bad if h not in before])
-        proc = subprocess.run(["scontrol", "update", f"JobId={job_id}",
-                               f"ExcNodeList={merged}"], capture_output=True, text=True,
-                              timeout=60)
+        proc = _shielded(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"],
+                         60)
     except (OSError, subprocess.TimeoutExpired) as e:
         proc = subprocess.CompletedProcess([], 1, "", f"{type(e).__name__}: {e}")
     if proc.returncode != 0:
@@ -216,27 +218,39 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = ()) -> Optional[str]:
                    "live strikes; hpc nodes --clear HOST allows one again")
     said = f"excluding {', '.join(bad)} ({'; '.join(why)})"
     if kept:
-        said += f"; not excluding {', '.join(kept)}: {_left_text(kept, before, fields)}"
+        said += (f"; not excluding {', '.join(kept)}: "
+                 f"{_left_text(fields.get('Partition', ''), need)}")
     return said
+
+
+def _shielded(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``argv``'s output, run with SIGTERM blocked (the mask is inherited through exec).
+
+    These calls run right after ``scontrol requeue``, while Slurm sends the job's batch
+    step SIGTERM: a ``sinfo`` started then died of it, said nothing, and the requeued job
+    excluded every failed host, too many to ever run again."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _partition_nodes(partition: str) -> list[str]:
     """The nodes of ``partition`` (``sinfo -N``), empty when sinfo cannot say."""
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = _shielded(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"], 30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     return list(dict.fromkeys(out.split()))
 
 
-def _placeable(bad: Sequence[str], before: Sequence[str], fields: dict[str, str]
+def _placeable(bad: Sequence[str], before: Sequence[str], partition: str, need: int
                ) -> tuple[list[str], list[str]]:
-    """(hosts to exclude, hosts left in): as many of ``bad``, in order, as leave the job's
-    partition enough nodes for it (``NumNodes``); a requeued job that excludes too many
-    would pend for ever (``BadConstraints``)."""
-    nodes = _partition_nodes(fields.get("Partition", "").split(",")[0])
-    need = int((fields.get("NumNodes", "0").split("-")[0]) or 0)
+    """(hosts to exclude, hosts left in): as many of ``bad``, in order, as leave
+    ``partition`` ``need`` nodes; a requeued job that excludes too many would pend for
+    ever (``BadConstraints``)."""
+    nodes = _partition_nodes(partition.split(",")[0])
     if not nodes or need < 1:
         return list(bad), []
     left = [n for n in nodes if n not in before]
@@ -250,9 +264,9 @@ def _placeable(bad: Sequence[str], before: Sequence[str], fields: dict[str, str]
     return out, kept
 
 
-def _left_text(kept: Sequence[str], before: Sequence[str], fields: dict[str, str]) -> str:
-    return (f"partition {fields.get('Partition', '?')} would keep too few nodes for this "
-            f"{fields.get('NumNodes', '?')}-node job (it would pend for ever)")
+def _left_text(partition: str, need: int) -> str:
+    return (f"partition {partition or '?'} would keep too few nodes for this {need}-node "
+            "job (it would pend for ever)")
 
 
 def _decide(step: int, checkpoint: Optional[str], signame: str,

@@ -339,6 +339,6 @@ def _requeue(state: plans.State, env: Mapping[str, str]) -> int:
     if error is not None:
         say(f"`scontrol requeue {job}` failed: {error}")
         return 1
-    said = exclude_bad_nodes(job, state.excluded)
+    said = exclude_bad_nodes(job, state.excluded, nodes=len(state.allocation))
     say(f"requeued job {job}" + (f"; {said}" if said else ""))
     return 75

@@ -97,6 +97,12 @@ def _hostnames(nodelist: str) -> list[str]:
                           text=True, timeout=20, check=True).stdout.split()
 
 
+def _runs(job_id: object) -> list[str]:
+    """The job's runs in sacct, once sacct too has its end (it lags squeue a little)."""
+    jobwatch.wait(str(job_id), timeout=60)
+    return [r.word for r in jobwatch.history(str(job_id))]
+
+
 def _decisions(text: str) -> list[str]:
     return [x for x in text.splitlines() if re.match(r"\d\d:\d\d:\d\d hpc supervise: attempt", x)]
 
@@ -123,7 +129,7 @@ def test_a_crashed_node_is_replaced_by_the_spare_and_the_run_ends_bitwise(
     assert re.search(r"attempt 0 failed: node2: rank 2 .* -> infrastructure \(node2 "
                      r"excluded\); relaunching on node1,node3 from step 6 ", decisions[0]), \
         decisions
-    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]  # one allocation
+    assert _runs(job_id) == ["COMPLETED"]  # one allocation
     assert [s.host for s in Ledger().strikes()] == ["node2"]  # the culprit, no healthy node
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
@@ -153,7 +159,7 @@ def test_without_a_spare_the_job_is_requeued_without_the_crashed_node(
                      r"hosts left of the 2 the step needs and no spare: requeueing without "
                      rf"{crashed}", decisions[0]), decisions
     assert crashed not in runs[1], runs
-    assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
+    assert _runs(job_id) == ["REQUEUED", "COMPLETED"]
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
 
@@ -213,7 +219,7 @@ def test_attempts_that_never_reach_a_checkpoint_hit_the_no_progress_limit(
                      r"of 9 spent\)", decisions[0]), decisions
     assert re.search(r"attempt 1 failed: node3: rank 2 .* -> infrastructure; 2 attempts in a "
                      r"row wrote no new checkpoint \(no-progress limit\)", decisions[1]), decisions
-    assert [r.word for r in jobwatch.history(str(job_id))] == ["FAILED"]
+    assert _runs(job_id) == ["FAILED"]
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("*.pt"))
 
 
@@ -301,7 +307,7 @@ def test_torchrun_template_replaces_the_crashed_host_and_moves_the_rendezvous(
     assert re.search(rf"attempt 0 failed: {host}: rank [23] Killed by a signal, no failure "
                      rf"mark -> infrastructure \({host} excluded\); relaunching on "
                      rf"{healthy},node3 from step 6 ", decisions[0]), decisions
-    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]
+    assert _runs(job_id) == ["COMPLETED"]
     assert [s.host for s in Ledger().strikes()] == [host]
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
@@ -339,7 +345,7 @@ def test_hpc_submit_spare_nodes_replaces_the_crashed_host(tiny_reference: Path,
     assert re.search(r"attempt 0 failed: node2: ranks 2-3 .* -> infrastructure \(node2 "
                      r"excluded\); relaunching on node1,node3 from step 6 ", decisions[0]), \
         decisions
-    assert [r.word for r in jobwatch.history(job.job_id)] == ["COMPLETED"]
+    assert _runs(job.job_id) == ["COMPLETED"]
     assert [s.host for s in Ledger().strikes()] == ["node2"]
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
@@ -362,7 +368,7 @@ def test_elastic_without_a_spare_goes_on_on_fewer_hosts(tmp_path: Path) -> None:
     assert len(decisions) == 1, text[-4000:]
     assert re.search(r"attempt 0 failed: node2: ranks? [23-]+ .* -> infrastructure \(node2 "
                      r"excluded\); relaunching on node1 from step 6 ", decisions[0]), decisions
-    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]
+    assert _runs(job_id) == ["COMPLETED"]
     assert [s.host for s in Ledger().strikes()] == ["node2"]
     assert "world size changed 4 -> 2" in text, text[-4000:]
     steps = sorted(int(x) for x in re.findall(r"pretrain completed at step (\d+)", text))
@@ -389,7 +395,7 @@ def test_mpirun_template_replaces_the_crashed_host(tiny_reference: Path,
     assert re.search(r"attempt 0 failed: node2: rank [23] Killed by a signal, no failure "
                      r"mark -> infrastructure \(node2 excluded\); relaunching on node1,node3 "
                      r"from step 6 ", decisions[0]), decisions
-    assert [r.word for r in jobwatch.history(str(job_id))] == ["COMPLETED"]
+    assert _runs(job_id) == ["COMPLETED"]
     assert [s.host for s in Ledger().strikes()] == ["node2"]
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
@@ -424,7 +430,7 @@ def test_array_tasks_each_replace_their_own_crashed_host(tmp_path: Path) -> None
         assert [r.word for r in last] == ["COMPLETED", "COMPLETED"], texts
         crashed = []
         for i in ids:
-            assert [r.word for r in jobwatch.history(i)] == ["COMPLETED"], i
+            assert _runs(i) == ["COMPLETED"], i
             decisions = _decisions(texts[i])
             assert len(decisions) == 1, texts[i][-3000:]
             m = re.search(r"attempt 0 failed: (node\d): ranks 0-1 .* -> infrastructure "
@@ -466,6 +472,6 @@ def test_a_requeue_excludes_no_more_hosts_than_leave_room_for_the_job(
     assert re.search(rf"requeued job \d+; excluding {failed} \({failed} failed in this job\); "
                      rf"not excluding {spare}: partition four would keep too few nodes for "
                      r"this 3-node job", text), text[-4000:]
-    assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
+    assert _runs(job_id) == ["REQUEUED", "COMPLETED"]
     assert_each_step_once(out)
     assert_same_final_weights(out, tiny_reference)
