@@ -57,8 +57,13 @@ def test_hpc_run_two_ranks_healthy(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_mpirun_three_ranks(tmp_path: Path) -> None:
     prefix, env = launcher("openmpi", tmp_path, 3, with_mpi4py=True)
+    # 3 ranks on this machine's 2 cores time their GEMM and copy at the same time: one is
+    # always short of a core. A clean CI run flagged rank 0's copy at 0.46x the median
+    # (twice timed) with the default --threshold 0.5; this test is about mpirun's 3 ranks
+    # and 3 pairs, so it leaves the oversubscribed compute figures more room.
     proc = run_group([*prefix, sys.executable, "-m", "hpc", "check", "--serial",
-                      "--out", str(tmp_path)], timeout=100, env=env, cwd=ROOT)
+                      "--threshold", "0.3", "--out", str(tmp_path)], timeout=100, env=env,
+                     cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert verdict(proc.stdout).startswith("OK: 3 ranks, 3 pairs"), proc.stdout
     data = json.loads((tmp_path / "hpc-check.json").read_text())

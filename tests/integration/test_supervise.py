@@ -103,6 +103,19 @@ def _runs(job_id: object) -> list[str]:
     return [r.word for r in jobwatch.history(str(job_id))]
 
 
+def _assert_recovered(job_id: object, out: Path, reference: Path, host: str,
+                      text: str, what: str) -> None:
+    """One allocation, ``host`` alone struck, every step once, bitwise the reference, and
+    the relaunched ranks resumed within :data:`RESUMED_WITHIN_S` of the injected crash."""
+    assert _runs(job_id) == ["COMPLETED"]  # one allocation
+    assert [s.host for s in Ledger().strikes()] == [host]  # the culprit, no healthy node
+    assert_each_step_once(out)
+    assert_same_final_weights(out, reference)
+    took = _fault_to_resume_s(text)
+    print(f"{what}: crash on {host} to resumed: {took:.0f} s", file=sys.stderr)
+    assert took <= RESUMED_WITHIN_S, text[-4000:]
+
+
 def _decisions(text: str) -> list[str]:
     return [x for x in text.splitlines() if re.match(r"\d\d:\d\d:\d\d hpc supervise: attempt", x)]
 
@@ -129,13 +142,7 @@ def test_a_crashed_node_is_replaced_by_the_spare_and_the_run_ends_bitwise(
     assert re.search(r"attempt 0 failed: node2: rank 2 .* -> infrastructure \(node2 "
                      r"excluded\); relaunching on node1,node3 from step 6 ", decisions[0]), \
         decisions
-    assert _runs(job_id) == ["COMPLETED"]  # one allocation
-    assert [s.host for s in Ledger().strikes()] == ["node2"]  # the culprit, no healthy node
-    assert_each_step_once(out)
-    assert_same_final_weights(out, tiny_reference)
-    took = _fault_to_resume_s(text)
-    print(f"crash to resumed: {took:.0f} s; {decisions[0]}", file=sys.stderr)
-    assert took <= RESUMED_WITHIN_S, text[-4000:]
+    _assert_recovered(job_id, out, tiny_reference, "node2", text, "srun")
 
 
 @pytest.mark.timeout(360)
@@ -307,14 +314,7 @@ def test_torchrun_template_replaces_the_crashed_host_and_moves_the_rendezvous(
     assert re.search(rf"attempt 0 failed: {host}: rank [23] Killed by a signal, no failure "
                      rf"mark -> infrastructure \({host} excluded\); relaunching on "
                      rf"{healthy},node3 from step 6 ", decisions[0]), decisions
-    assert _runs(job_id) == ["COMPLETED"]
-    assert [s.host for s in Ledger().strikes()] == [host]
-    assert_each_step_once(out)
-    assert_same_final_weights(out, tiny_reference)
-    took = _fault_to_resume_s(text)
-    print(f"torchrun: crash on {host} to resumed: {took:.0f} s; {decisions[0]}",
-          file=sys.stderr)
-    assert took <= RESUMED_WITHIN_S, text[-4000:]
+    _assert_recovered(job_id, out, tiny_reference, host, text, "torchrun")
 
 
 @pytest.mark.timeout(300)
@@ -395,13 +395,7 @@ def test_mpirun_template_replaces_the_crashed_host(tiny_reference: Path,
     assert re.search(r"attempt 0 failed: node2: rank [23] Killed by a signal, no failure "
                      r"mark -> infrastructure \(node2 excluded\); relaunching on node1,node3 "
                      r"from step 6 ", decisions[0]), decisions
-    assert _runs(job_id) == ["COMPLETED"]
-    assert [s.host for s in Ledger().strikes()] == ["node2"]
-    assert_each_step_once(out)
-    assert_same_final_weights(out, tiny_reference)
-    took = _fault_to_resume_s(text)
-    print(f"mpirun: crash to resumed: {took:.0f} s; {decisions[0]}", file=sys.stderr)
-    assert took <= RESUMED_WITHIN_S, text[-4000:]
+    _assert_recovered(job_id, out, tiny_reference, "node2", text, "mpirun")
 
 
 @pytest.mark.timeout(300)
