@@ -190,17 +190,20 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = (),
     bad = list(dict.fromkeys([*hosts, *ledger]))
     if not bad:
         return None
-    kept: list[str] = []
+    left_in = ""
     try:
         shown = _shielded(["scontrol", "show", "job", "-o", job_id], 60).stdout
         fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
         current = fields.get("ExcNodeList", "(null)")
         before = [] if current in ("", "(null)") else current.split(",")
         need = nodes or int(os.environ.get("SLURM_JOB_NUM_NODES") or 0)
-        bad, kept = _placeable(bad, before, fields.get("Partition", ""), need)
+        partition = fields.get("Partition", "")
+        bad, kept = _placeable(bad, before, partition, need)
+        left_in = (f"not excluding {', '.join(kept)}: partition {partition or '?'} would "
+                   f"keep too few nodes for this {need}-node job (it would pend for ever)"
+                   if kept else "")
         if not bad:
-            return (f"not excluding {', '.join(kept)}: "
-                    f"{_left_text(fields.get('Partition', ''), need)}" if kept else None)
+            return left_in or None
         merged = ",".join(before + [h for h in bad if h not in before])
         proc = _shielded(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"],
                          60)
@@ -216,11 +219,8 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = (),
     if [h for h in ledger if h in bad]:
         why.append(f"{', '.join(h for h in ledger if h in bad)}: bad-node ledger, {STRIKES} "
                    "live strikes; hpc nodes --clear HOST allows one again")
-    said = f"excluding {', '.join(bad)} ({'; '.join(why)})"
-    if kept:
-        said += (f"; not excluding {', '.join(kept)}: "
-                 f"{_left_text(fields.get('Partition', ''), need)}")
-    return said
+    return "; ".join(filter(None, [f"excluding {', '.join(bad)} ({'; '.join(why)})",
+                                   left_in]))
 
 
 def _shielded(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -263,10 +263,6 @@ def _placeable(bad: Sequence[str], before: Sequence[str], partition: str, need: 
         left = [n for n in left if n != h]
     return out, kept
 
-
-def _left_text(partition: str, need: int) -> str:
-    return (f"partition {partition or '?'} would keep too few nodes for this {need}-node "
-            "job (it would pend for ever)")
 
 
 def _decide(step: int, checkpoint: Optional[str], signame: str,

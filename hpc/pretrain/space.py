@@ -114,6 +114,9 @@ class Supernet(nn.Module):
         self.blocks = nn.ModuleList(
             nn.ModuleList(_build_op(name, width) for name in CANDIDATES)
             for _ in range(blocks))
+        #: Parameters of each candidate of each block (the sandwich rule asks every step).
+        self._op_sizes = [[sum(p.numel() for p in op.parameters()) for op in block]
+                          for block in self.blocks]
         self.pool_after = blocks // 2
         self.pool = nn.AvgPool2d(2)
         self.head = nn.Linear(width, num_classes)
@@ -133,9 +136,7 @@ class Supernet(nn.Module):
         return self._by_size(min)
 
     def _by_size(self, pick: Any) -> tuple[int, ...]:
-        sizes = [[sum(p.numel() for p in op.parameters()) for op in block]
-                 for block in self.blocks]
-        return tuple(pick(range(len(s)), key=lambda i, s=s: s[i]) for s in sizes)
+        return tuple(pick(range(len(s)), key=lambda i, s=s: s[i]) for s in self._op_sizes)
 
     def choices(self) -> list[int]:
         """Number of candidates of each block (what search enumerates and mutates)."""

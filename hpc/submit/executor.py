@@ -129,11 +129,11 @@ def make_executor(options: SubmitOptions,
     sig = parse_signal(options.signal).name[3:]
     folder = job_dir(options.log_dir, "%j")
     params = field_parameters(options)
-    srun_args = ["--kill-on-bad-exit=1", f"--cpus-per-task={options.cpus_per_task}"]
+    cpus = f"--cpus-per-task={options.cpus_per_task}"
     supervised: dict[str, Any] = {}
-    if options.spare_nodes:
+    if options.spare_nodes:  # the supervisor's srun has --kill-on-bad-exit of its own
         params["nodes"] = options.nodes + options.spare_nodes
-        params["slurm_python"] = _supervisor(options, folder, srun_args[1:], submitit)
+        params["slurm_python"] = _supervisor(options, folder, [cpus], submitit)
         supervised = {"slurm_use_srun": False}
     try:
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm",
@@ -155,7 +155,7 @@ def make_executor(options: SubmitOptions,
         slurm_setup=[f'export HPC_ERROR_DIR={_shell_marks_dir(options.log_dir)}',
                      *(f"export {k}={shlex.quote(v)}" for k, v in env.items())],
         # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task from sbatch: pass it.
-        slurm_srun_args=srun_args, **supervised)
+        slurm_srun_args=["--kill-on-bad-exit=1", cpus], **supervised)
     return ex
 
 

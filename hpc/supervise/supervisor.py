@@ -91,17 +91,18 @@ def say(message: str) -> None:
         errors="replace"))
 
 
+def _launcher_name(launcher: Sequence[str]) -> Optional[str]:
+    """The mpirun (or mpiexec) word of the launcher's command line, None without one."""
+    return next((w for w in launcher if re.match(r"mpi(run|exec)", Path(w).name)), None)
+
+
 def _open_mpi(launcher: Sequence[str]) -> bool:
     """The launcher's mpirun is Open MPI's (``--version``), not MPICH's hydra."""
-    for word in launcher:
-        if re.match(r"mpi(run|exec)", Path(word).name):
-            said = run([word, "--version"], timeout=20)  # 4.x: "mpirun (OpenRTE) 4.1.4"
-            return "Open MPI" in said or "OpenRTE" in said
-    return True
-
-
-def _launcher_name(launcher: Sequence[str]) -> str:
-    return next((w for w in launcher if re.match(r"mpi(run|exec)", Path(w).name)), "mpirun")
+    name = _launcher_name(launcher)
+    if name is None:
+        return True
+    said = run([name, "--version"], timeout=20)  # 4.x: "mpirun (OpenRTE) 4.1.4"
+    return "Open MPI" in said or "OpenRTE" in said
 
 
 def _marks(directory: Path) -> dict[int, Mark]:
@@ -151,7 +152,7 @@ class Attempt:
     def _failing_since(self) -> Optional[tuple[float, float]]:
         """(when, how long srun gets to end the step) once a rank failed, else None."""
         exits = failure.srun_exits(self.lines)
-        if any(not x.after_cancel and not x.what.startswith("Exited with exit code")
+        if any(not x.after_cancel and x.by_signal
                for x in exits):
             return time.monotonic(), KILLED_SETTLE_S
         if exits or _marks(self.error_dir):  # a mark with a message, not an empty .fault
@@ -277,7 +278,8 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
     state = plans.State(tuple(hosts), nodes, opts.max_restarts, opts.elastic)
     per_node, port = tasks_per_node(env), slurmd_port()
     each = (f"torchrun with {opts.torchrun} workers" if opts.torchrun
-            else f"{per_node} ranks by {Path(_launcher_name(opts.mpirun)).name}" if opts.mpirun
+            else f"{per_node} ranks by {Path(_launcher_name(opts.mpirun) or 'mpirun').name}"
+            if opts.mpirun
             else f"{per_node} tasks")
     say(f"{nodes} of {len(hosts)} hosts, {each} each"
         + (f"; spares {','.join(hosts[nodes:])}" if opts.spare_nodes else "")
@@ -290,10 +292,10 @@ def supervise(opts: Options, environ: Optional[Mapping[str, str]] = None) -> int
             error_dir = base if attempt == 0 else base.with_name(f"{base.name}.{attempt}")
             error_dir.mkdir(parents=True, exist_ok=True)
             before = read_progress(progress)
-            run = Attempt(opts, run_on, per_node, error_dir,
-                          _attempt_env(env, error_dir, progress, attempt), port, attempt)
-            code = run.wait()
-            verdict = classify(run.evidence(code))
+            current = Attempt(opts, run_on, per_node, error_dir,
+                              _attempt_env(env, error_dir, progress, attempt), port, attempt)
+            code = current.wait()
+            verdict = classify(current.evidence(code))
             if not verdict.restartable:
                 if verdict.kind not in ("completed", "requeued"):
                     say(f"attempt {attempt} failed: {verdict.evidence} -> {verdict.kind} "

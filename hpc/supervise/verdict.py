@@ -124,7 +124,7 @@ def _signal_deaths(e: Evidence, stuck: Mapping[str, Sequence[int]]) -> dict[str,
     reported = {r for ranks in stuck.values() for r in ranks}
     out: dict[str, list[int]] = {}
     for x in e.exits:
-        if x.after_cancel or x.what.startswith("Exited with exit code"):
+        if x.after_cancel or not x.by_signal:
             continue
         dead = [r for r in x.ranks if r not in e.marks or r in reported]
         if dead:
@@ -185,7 +185,7 @@ def classify(e: Evidence) -> Verdict:
     if killed:
         what: dict[str, str] = {}
         for x in e.exits:
-            if x.host in killed and not x.after_cancel and not x.what.startswith("Exited"):
+            if x.host in killed and not x.after_cancel and x.by_signal:
                 what.setdefault(x.host, x.what)
         return Verdict(INFRASTRUCTURE, tuple(killed), "; ".join(
             f"{h}: {_ranks(r)} {what[h]} by a signal, no failure mark" for h, r in killed.items()))

@@ -327,6 +327,11 @@ class SrunExit:
     what: str
     after_cancel: bool = False
 
+    @property
+    def by_signal(self) -> bool:
+        """The tasks died of a signal (``Killed``, ``Terminated``), not by their own exit."""
+        return not self.what.startswith("Exited with exit code")
+
 
 _CANCEL = re.compile(r"srun: .*(?:Terminating|Force Terminated) (?:StepId|job step)")
 
@@ -338,6 +343,11 @@ _TORCHRUN_FIELD = re.compile(r"^(?:(?P<label>\d+): )?\s+(?P<key>host|rank|exitco
 _OMPI_SIGNAL = re.compile(r"noticed that process rank (?P<rank>\d+) with PID \d+ on node "
                           r"(?P<node>[\w.-]+) exited on signal (?P<sig>\d+)")
 _TORCHRUN_ROOT = re.compile(r"^(?:(?P<label>\d+): )?Root Cause \(first observed failure\)")
+
+
+def _signal_word(number: str) -> str:
+    """``9`` -> ``Killed``: srun's word for a task ended by that signal."""
+    return signal.strsignal(int(number)) or f"signal {number}"
 
 
 def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
@@ -361,21 +371,22 @@ def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
         elif _CANCEL.search(line):
             cancelled = True
         elif (o := _OMPI_SIGNAL.search(line)) is not None:
-            what = signal.strsignal(int(o["sig"])) or f"signal {o['sig']}"
-            out.append(SrunExit(o["node"], (int(o["rank"]),), what, cancelled))
+            out.append(SrunExit(o["node"], (int(o["rank"]),), _signal_word(o["sig"]),
+                                cancelled))
         elif (root := _TORCHRUN_ROOT.match(line)) is not None:
             summary[root["label"] or ""] = {}
         elif (f := _TORCHRUN_FIELD.match(line)) is not None and (f["label"] or "") in summary:
-            failure = summary[f["label"] or ""]
+            label = f["label"] or ""
+            failure = summary[label]
             failure[f["key"]] = f["value"]
             if f["key"] != "exitcode":
                 continue
-            del summary[f["label"] or ""]
+            del summary[label]
             code = failure["exitcode"]
             if code.startswith("-") and code[1:].isdigit() and failure.get("rank", "").isdigit():
-                what = signal.strsignal(int(code[1:])) or f"signal {code[1:]}"
                 out.append(SrunExit(failure.get("host", "?").split(".")[0],
-                                    (int(failure["rank"]),), what, cancelled))
+                                    (int(failure["rank"]),), _signal_word(code[1:]),
+                                    cancelled))
     return out
 
 

@@ -116,6 +116,20 @@ def _assert_recovered(job_id: object, out: Path, reference: Path, host: str,
     assert took <= RESUMED_WITHIN_S, text[-4000:]
 
 
+def _crash_node2_with_a_spare(template: str, per_node: int, out: Path, tmp_path: Path,
+                              **variables: str) -> tuple[int, str]:
+    """``slurm/TEMPLATE`` on 3 nodes of partition four, 1 spare, the tiny pretrain slowed
+    to 0.6 s a step, ranks 2-3 SIGKILLing themselves at step 7; (job id, its output) once
+    it ended with status 0."""
+    env = slurm_env(**ENV, **slowed(0.6), **variables, HPC_SPARE_NODES="1",
+                    HPC_FAULT=CRASH_NODE2)
+    job_id, rc, text = sbatch_wait(["-p", "four", "-N3", f"--ntasks-per-node={per_node}",
+                                    "--no-kill", str(ROOT / "slurm" / template), *TINY_ARGS,
+                                    "--out", str(out)], tmp_path, timeout=240, env=env)
+    assert rc == 0, text[-4000:]
+    return job_id, text
+
+
 def _decisions(text: str) -> list[str]:
     return [x for x in text.splitlines() if re.match(r"\d\d:\d\d:\d\d hpc supervise: attempt", x)]
 
@@ -298,12 +312,8 @@ def test_torchrun_template_replaces_the_crashed_host_and_moves_the_rendezvous(
     rendezvous gives ranks 2-3 to either host, so the crashed host is read from the log;
     when it is node1, the relaunch's rendezvous moves to node2 (the new first host)."""
     out = tmp_path / "run"
-    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1", HPC_NPROC_PER_NODE="2",
-                    HPC_FAULT=CRASH_NODE2)
-    job_id, rc, text = sbatch_wait(["-p", "four", "-N3", "--ntasks-per-node=1", "--no-kill",
-                                    str(ROOT / "slurm" / "torchrun.sbatch"), *TINY_ARGS,
-                                    "--out", str(out)], tmp_path, timeout=240, env=env)
-    assert rc == 0, text[-4000:]
+    job_id, text = _crash_node2_with_a_spare("torchrun.sbatch", 1, out, tmp_path,
+                                             HPC_NPROC_PER_NODE="2")
     assert " hpc supervise: 2 of 3 hosts, torchrun with 2 workers each; spares node3" in text
     crashed = re.search(r"\[rank 2/4 (\S+)\] WARNING hpc.health.fault: HPC_FAULT", text)
     assert crashed, text[-4000:]
@@ -383,12 +393,8 @@ def test_mpirun_template_replaces_the_crashed_host(tiny_reference: Path,
     mpirun names rank 2 on node2, and the next mpirun runs on node1:2,node3:2."""
     mpirun = require("mpirun.openmpi", "Open MPI")
     out = tmp_path / "run"
-    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1", HPC_MPIRUN=mpirun,
-                    HPC_FAULT=CRASH_NODE2)
-    job_id, rc, text = sbatch_wait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
-                                    str(ROOT / "slurm" / "mpirun.sbatch"), *TINY_ARGS,
-                                    "--out", str(out)], tmp_path, timeout=240, env=env)
-    assert rc == 0, text[-4000:]
+    job_id, text = _crash_node2_with_a_spare("mpirun.sbatch", 2, out, tmp_path,
+                                             HPC_MPIRUN=mpirun)
     assert " hpc supervise: 2 of 3 hosts, 2 ranks by mpirun.openmpi each; spares node3" in text
     decisions = _decisions(text)
     assert len(decisions) == 1, text[-4000:]
