@@ -28,7 +28,7 @@ __all__ = [
     "is_master", "is_local_master", "master_only", "barrier", "seed_everything",
     "setup_logging", "sync_model", "sync_gradients", "GradSync",
     "save_checkpoint", "restore_checkpoint", "wait_for_checkpoint", "Restored", "ResumableSampler", "AgreedStop",
-    "PreemptGuard",
+    "PreemptGuard", "run_id", "open_trackers",
     "HPCError", "LaunchEnvironmentError", "InconsistentEnvironmentError",
     "MasterAddressError", "RendezvousError", "ModelMismatchError", "CheckpointError",
     "SubmitError", "CollectiveError",
@@ -50,6 +50,8 @@ _LAZY = {
     "wait_for_checkpoint": "hpc.checkpoint.asyncsave",
     "Restored": "hpc.checkpoint.resume", "ResumableSampler": "hpc.checkpoint.sampler",
     "AgreedStop": "hpc.preempt.stop", "PreemptGuard": "hpc.preempt.guard",
+    # one id per training run, for trackers (docs/tracking.md)
+    "run_id": "hpc.track.runid", "open_trackers": "hpc.track.tracker",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -1,0 +1,173 @@
+"""The trackers a run can report to: TensorBoard, Weights & Biases, MLflow.
+
+Each sink opens the run's one tracker run (by :func:`hpc.run_id`), takes points
+``(step, {name: value})`` and closes. Each also says, when it opens, through which step
+the tracker already holds points (``held_through``), which is how
+:class:`~hpc.track.tracker.Trackers` keeps one point per step after a resume:
+
+* **TensorBoard** writes event files into one directory per run id and opens its writer
+  with ``purge_step`` = the resumed step + 1, TensorBoard's own rule for a restarted job:
+  its readers drop the earlier attempt's points from that step on, and the resumed
+  attempt's replace them. It holds nothing to skip.
+* **MLflow** finds the run tagged ``hpc.run_id`` in the experiment (or creates it) and
+  reports the highest step of its metric histories: MLflow keeps every value it is
+  given, so those steps are not sent again.
+* **W&B** opens ``wandb.init(id=run_id, resume="allow")`` in the run directory and keeps
+  its own mark of the last step it handed to wandb (``wandb/hpc-step-<id>``), since an
+  offline run cannot be asked: steps up to the mark are not sent again.
+
+Each package is imported only when its sink opens; a missing one raises
+:class:`TrackerUnavailable` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from hpc.errors import HPCError
+
+__all__ = ["TensorBoardSink", "WandbSink", "MlflowSink", "TrackerUnavailable", "Point",
+           "tensorboard_installed", "require"]
+
+logger = logging.getLogger(__name__)
+
+#: One logged step: ``(step, {name: value})``.
+Point = tuple[int, dict[str, float]]
+
+
+class TrackerUnavailable(HPCError):
+    """A tracker was asked for but its package is not installed."""
+
+
+def _unavailable(module: str, extra: str, flag: str, cause: object) -> TrackerUnavailable:
+    return TrackerUnavailable(
+        f"{flag} needs the {module!r} package, which is not installed ({cause}).\n"
+        f"HINT: pip install 'torch-hpc[{extra}]', or drop {flag}.")
+
+
+def require(module: str, extra: str, flag: str) -> None:
+    """Raise :class:`TrackerUnavailable` unless ``module`` is installed (not imported)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise _unavailable(module, extra, flag, f"no module named {module!r}")
+
+
+def _need(module: str, extra: str, flag: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise _unavailable(module.split(".")[0], extra, flag, e) from e
+
+
+def tensorboard_installed() -> bool:
+    """Whether TensorBoard's package is importable (``--tensorboard`` defaults to it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class TensorBoardSink:
+    """Event files in ``<directory>/<run_id>/``, one directory per run."""
+
+    name = "tensorboard"
+
+    def __init__(self, directory: Path, run_id: str, resume_step: Optional[int]) -> None:
+        _need("tensorboard", "tensorboard", "--tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(directory) / run_id
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=purge, flush_secs=30)
+        self.held_through: Optional[int] = None
+
+    def send(self, points: Sequence[Point]) -> None:
+        for step, values in points:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self, status: str) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One W&B run with id ``run_id``, resumed by every attempt."""
+
+    name = "wandb"
+
+    def __init__(self, project: str, directory: Path, run_id: str,
+                 config: dict[str, Any]) -> None:
+        wandb = _need("wandb", "wandb", "--wandb")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, id=run_id, name=run_id, resume="allow",
+                              dir=str(directory), config=config)
+        self.mark = directory / "wandb" / f"hpc-step-{run_id}"
+        self.held_through = int(self.mark.read_text()) if self.mark.is_file() else None
+
+    def send(self, points: Sequence[Point]) -> None:
+        for step, values in points:
+            self.run.log(values, step=step)
+        if points:
+            self.mark.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.mark.with_name(f".{self.mark.name}.tmp-{os.getpid()}")
+            tmp.write_text(f"{points[-1][0]}\n")
+            os.replace(tmp, self.mark)
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)
+
+
+class MlflowSink:
+    """The MLflow run tagged ``hpc.run_id=<run_id>`` in ``experiment`` (created once).
+
+    The tracking store is MLflow's own setting (``MLFLOW_TRACKING_URI``)."""
+
+    name = "mlflow"
+    TAG = "hpc.run_id"
+
+    def __init__(self, experiment: str, run_id: str, params: dict[str, Any]) -> None:
+        tracking = _need("mlflow.tracking", "mlflow", "--mlflow")
+        self.client = client = tracking.MlflowClient()
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        found = client.search_runs([exp_id], filter_string=f"tags.`{self.TAG}` = '{run_id}'",
+                                   max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            keys = found[0].data.metrics
+            steps = [m.step for k in keys for m in client.get_metric_history(self.run_id, k)]
+            self.held_through = max(steps) if steps else None
+            client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = client.create_run(exp_id, run_name=run_id, tags={self.TAG: run_id})
+            self.run_id, self.held_through = run.info.run_id, None
+            client.log_batch(self.run_id, params=[
+                _param(k, v) for k, v in sorted(params.items())][:100])
+
+    def send(self, points: Sequence[Point]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for step, values in points
+                   for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self, status: str) -> None:
+        # "stopped" is a preemption: the next attempt sets the run RUNNING again.
+        final = {"completed": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED")
+        self.client.set_terminated(self.run_id, status=final)
+
+
+def _param(key: str, value: Any) -> Any:
+    from mlflow.entities import Param
+
+    return Param(key, str(value)[:500])
