@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["add_fields", "add_stage_parser", "config_from_args", "run_stage"]
+__all__ = ["add_fields", "add_stage_parser", "add_tracker_flags", "config_from_args",
+           "run_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,21 @@ def add_fields(p: argparse.ArgumentParser, cls: Any, helps: dict[str, str]) -> N
                        metavar=metavar, help=f"{text} (default {default})")
 
 
+def add_tracker_flags(p: argparse.ArgumentParser) -> None:
+    """``--tensorboard``, ``--wandb [PROJECT]`` and ``--mlflow [EXPERIMENT]``: the
+    config fields every stage shares (:mod:`hpc.track`)."""
+    a = p.add_argument
+    a("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+      help="TensorBoard event files in OUT/tensorboard/<run id> (default: on when the "
+      "tensorboard package is installed)")
+    a("--wandb", nargs="?", const="torch-hpc", default=None, metavar="PROJECT",
+      help="report to W&B (project default torch-hpc), one W&B run per run id, resumed "
+      "after a requeue; WANDB_MODE=offline keeps it on disk")
+    a("--mlflow", nargs="?", const="torch-hpc", default=None, metavar="EXPERIMENT",
+      help="report to MLflow (experiment default torch-hpc) at MLFLOW_TRACKING_URI, one "
+      "MLflow run per run id")
+
+
 def add_stage_parser(sub: Any, name: str, help: str, doc: Optional[str], epilog: str,
                      build: Callable[[argparse.ArgumentParser], None],
                      run: Callable[[argparse.Namespace], int]) -> None:
@@ -58,6 +74,7 @@ def add_stage_parser(sub: Any, name: str, help: str, doc: Optional[str], epilog:
     p = sub.add_parser(name, help=help, description=doc, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     build(p)
+    add_tracker_flags(p)
     p.set_defaults(func=run)
 
 

@@ -77,6 +77,12 @@ class PretrainConfig:
         check_sync: Debug: after every step all-gather a digest of parameters and
             buffers and raise :class:`~hpc.ModelMismatchError` when ranks differ.
         setup_logging: Call :func:`hpc.setup_logging` with the run directory's log file.
+        tensorboard: Write TensorBoard event files into ``out/tensorboard/<run id>``;
+            ``None`` (default): when the ``tensorboard`` package is installed.
+        wandb: Report to this W&B project (one W&B run per :func:`hpc.run_id`, resumed
+            by every attempt); ``None``: no W&B.
+        mlflow: Report to this MLflow experiment (``MLFLOW_TRACKING_URI`` says where);
+            ``None``: no MLflow.
         deterministic: cuDNN uses deterministic algorithms and no autotuning
             (``torch.backends.cudnn.deterministic = True``, ``benchmark = False``), so
             a resumed GPU run repeats the bits of an uninterrupted one. The cost is
@@ -114,6 +120,9 @@ class PretrainConfig:
     overlap: bool = False
     check_sync: bool = False
     setup_logging: bool = True
+    tensorboard: Optional[bool] = None
+    wandb: Optional[str] = None
+    mlflow: Optional[str] = None
     deterministic: bool = True
 
     def validate(self) -> None:

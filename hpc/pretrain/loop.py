@@ -31,6 +31,7 @@ from hpc.pretrain.evaluate import validate
 from hpc.pretrain.reduce import StepReducer, StepStats, check_identical
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
 from hpc.pretrain.space import VAL_STREAM, Supernet, arch_generator, derive_seed
+from hpc.track.tracker import check_available, for_stage
 
 __all__ = ["pretrain", "PretrainResult"]
 
@@ -55,6 +56,7 @@ class PretrainResult:
         checkpoint: Last checkpoint written, if any.
         sync_checks: Steps verified identical across ranks (``check_sync``).
         world_size: Ranks of this run.
+        run_id: The run's :func:`hpc.run_id` (``None`` without a run directory).
     """
 
     status: str
@@ -69,6 +71,7 @@ class PretrainResult:
     checkpoint: Optional[str] = None
     sync_checks: int = 0
     world_size: int = 1
+    run_id: Optional[str] = None
 
     @property
     def val_acc_best(self) -> Optional[float]:
@@ -159,6 +162,7 @@ class _Run:
                  data: Optional[PretrainData]) -> None:
         """Setup: init, logging, data on the device, the synced model, optimizer, schedule."""
         self.cfg = cfg
+        check_available(cfg.tensorboard, cfg.wandb, cfg.mlflow)  # before init: every rank
         self.info = info = hpc.init_torch(seed=cfg.seed)
         resume_mod.set_determinism(cfg.deterministic)
         self.rank, self.world, self.dev = info.rank, info.world_size, hpc.device()
@@ -186,6 +190,7 @@ class _Run:
                                                            _cosine(self.total_steps))
         self.is_master = self.rank == 0
         self.metrics: Optional[MetricsWriter] = None
+        self.run_id: Optional[str] = None
         self.val_acc: list[float] = []
         self.train_time, self.run_steps, self.sync_checks = 0.0, 0, 0
         self.last_ckpt: Optional[str] = None
@@ -204,18 +209,24 @@ class _Run:
         self.epochs_done, self.val_acc = pos.epoch, pos.val_acc
 
     def open_outputs(self) -> None:
-        """The master's run directory: ``config.json`` and the metrics file."""
+        """The run's id (every rank), then the master's run directory: ``config.json``,
+        the metrics file and the trackers (:mod:`hpc.track`)."""
         run_dir, data, pos = self.run_dir, self.data, self.pos
-        if not self.is_master or run_dir is None:
+        if run_dir is None:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
+        trackers = for_stage(run_dir, self.cfg, resume_step=pos.step if pos.path else None,
+                             known_id=pos.run_id, config=self.cfg.to_dict())
+        self.run_id = trackers.run_id
+        if not self.is_master:
+            return
         write_json(run_dir / "config.json", {
             **self.cfg.to_dict(), "world_size": self.world, "steps_per_epoch": self.spe,
             "total_steps": self.total_steps, "data_name": data.name, "n_train": self.n_train,
             "n_val": int(data.x_val.shape[0]), "space": type(self.space).__qualname__,
-            "resumed_from": pos.path})
+            "resumed_from": pos.path, "run_id": self.run_id})
         self.metrics = MetricsWriter(run_dir / "metrics.csv",
-                                     resume_step=self.step if pos.path else None)
+                                     resume_step=self.step if pos.path else None,
+                                     trackers=trackers)
 
     def prepare_validation(self) -> None:
         """The validated architectures, this rank's validation shard and BN-recal images."""
@@ -380,7 +391,8 @@ class _Run:
         self.last_ckpt = resume_mod.save(
             self.cfg, self.run_dir, self.space, self.optimizer, self.scheduler,
             step=self.step, epoch=next_epoch, batch=next_batch,
-            val_acc=self.val_acc, blocking=blocking, sharded=self.cfg.ckpt_sharded)
+            val_acc=self.val_acc, blocking=blocking, sharded=self.cfg.ckpt_sharded,
+            run_id=self.run_id)
         if self.is_master and epoch_end and self.run_dir is not None:
             plot_metrics(self.run_dir / "metrics.csv", self.run_dir / "metrics.png")
 
@@ -393,14 +405,15 @@ class _Run:
         """Finish: flush the metrics, write ``result.json`` (master), log the outcome."""
         wait_for_checkpoint()  # an asynchronous one in flight (none after a last save)
         if self.metrics is not None:
-            self.metrics.flush()
+            self.metrics.close(self.status)
         archs, run_dir = self.archs, self.run_dir
         result = PretrainResult(
             status=self.status, step=self.step, epoch=self.epochs_done, val_acc=self.val_acc,
             val_archs=[list(a) if isinstance(a, tuple) else a for a in archs],
             train_loss=self.epoch_loss, samples_per_s=self.samples_per_s,
             train_time_s=self.train_time, resumed_from=self.pos.path,
-            checkpoint=self.last_ckpt, sync_checks=self.sync_checks, world_size=self.world)
+            checkpoint=self.last_ckpt, sync_checks=self.sync_checks, world_size=self.world,
+            run_id=self.run_id)
         if self.is_master and run_dir is not None:
             write_json(run_dir / "result.json", {**result.to_dict(), "val_arch_names": [
                 self.describe(a) for a in archs]})

@@ -58,6 +58,8 @@ class Position:
     epoch: int = 0
     batch: int = 0
     val_acc: list[float] = dataclasses.field(default_factory=list)
+    #: The checkpoint's :func:`hpc.run_id` (``None``: a fresh start or an older checkpoint).
+    run_id: Optional[str] = None
 
 
 def set_determinism(enabled: bool) -> None:
@@ -71,7 +73,7 @@ def set_determinism(enabled: bool) -> None:
 def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
          optimizer: torch.optim.Optimizer, scheduler: Any, *, step: int, epoch: int,
          batch: int, val_acc: list[float], blocking: bool = True,
-         sharded: bool = False) -> Optional[str]:
+         sharded: bool = False, run_id: Optional[str] = None) -> Optional[str]:
     """Checkpoint the state after ``step`` (collective: gathers every rank's RNG).
 
     ``epoch``/``batch`` are the position of the *next* step. Only the global master
@@ -79,13 +81,15 @@ def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
     rank), or ``None`` when there is no run directory. ``blocking=False``: written by the
     writer process (:mod:`hpc.checkpoint.asyncsave`) while training goes on; ``sharded``:
     every rank writes its share (:mod:`hpc.checkpoint.sharded`), synchronously.
+    ``run_id`` (:func:`hpc.run_id`) is stored for a resume to adopt.
     """
     if run_dir is None:
         return None
     path = save_checkpoint(run_dir / "checkpoints", step, model=model, optimizer=optimizer,
                            scheduler=scheduler, epoch=epoch, batch=batch, keep=cfg.keep,
                            extra={"seed": cfg.seed, "config": cfg.to_dict(),
-                                  "val_acc": [float(a) for a in val_acc]},
+                                  "val_acc": [float(a) for a in val_acc],
+                                  "run_id": run_id},
                            blocking=blocking or sharded, sharded=sharded)
     return str(path)
 
@@ -151,7 +155,8 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
         logger.info("resumed from %s: step %d done, next: epoch %d batch %d", path, step,
                     epoch + 1, batch)
     return Position(path=path, step=step, epoch=epoch, batch=batch,
-                    val_acc=[float(a) for a in payload.get("val_acc", [])])
+                    val_acc=[float(a) for a in payload.get("val_acc", [])],
+                    run_id=payload.get("run_id"))
 
 
 def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],

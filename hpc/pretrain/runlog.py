@@ -4,7 +4,8 @@
 validation, both keyed by ``step``. Rows are appended in chunks when the loop flushes
 (before every checkpoint, at epoch ends and at the end), and on resume from step ``S``
 every row with ``step > S`` is dropped first, so after any sequence of crashes and
-resumes each step appears exactly once.
+resumes each step appears exactly once. The same rows go to the run's trackers
+(:mod:`hpc.track`) when they reach the file.
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ class MetricsWriter:
         resume_step: When resuming from a checkpoint taken after this step, rows with a
             larger step (written after that checkpoint by the interrupted run) are
             dropped before appending. ``None`` starts a fresh file.
+        trackers: Where the rows also go at each :meth:`flush`
+            (:class:`hpc.track.tracker.Trackers`); :meth:`close` closes them.
     """
 
-    def __init__(self, path: Union[str, Path], resume_step: Optional[int] = None) -> None:
+    def __init__(self, path: Union[str, Path], resume_step: Optional[int] = None,
+                 trackers: Optional[Any] = None) -> None:
         self.path = Path(path)
+        self.trackers = trackers
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._pending: list[dict[str, Any]] = []
         kept: list[dict[str, Any]] = []
@@ -82,7 +87,8 @@ class MetricsWriter:
         self._pending.extend(rows)
 
     def flush(self) -> None:
-        """Append the queued rows and fsync, so a following checkpoint never outruns them."""
+        """Append the queued rows and fsync, so a following checkpoint never outruns them;
+        then send them to the trackers."""
         if not self._pending:
             return
         with open(self.path, "a", newline="") as f:
@@ -90,7 +96,16 @@ class MetricsWriter:
             writer.writerows(_fmt(r) for r in self._pending)
             f.flush()
             os.fsync(f.fileno())
+        if self.trackers is not None:
+            self.trackers.send_rows(self._pending)
         self._pending.clear()
+
+    def close(self, status: str) -> None:
+        """Flush, then close the trackers (``status``: completed, stopped or failed)."""
+        self.flush()
+        if self.trackers is not None:
+            self.trackers.close(status)
+            self.trackers = None
 
 
 def _fmt(row: dict[str, Any]) -> dict[str, Any]:

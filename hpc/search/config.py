@@ -51,6 +51,8 @@ class SearchConfig:
         max_generations: Stop (with a checkpoint) after this generation; ``None`` = run
             to the end. For tests and time-boxed jobs.
         progress: Show a tqdm bar on local masters.
+        tensorboard, wandb, mlflow: Trackers, as in
+            :class:`~hpc.pretrain.config.PretrainConfig` (one point per generation).
     """
 
     run: str = "runs/pretrain"
@@ -68,6 +70,9 @@ class SearchConfig:
     resume: str = "auto"
     max_generations: Optional[int] = None
     progress: bool = True
+    tensorboard: Optional[bool] = None
+    wandb: Optional[str] = None
+    mlflow: Optional[str] = None
 
     @property
     def out_dir(self) -> Path:
@@ -128,6 +133,8 @@ class TuneConfig:
         keep: Checkpoints kept.
         elastic: Allow resuming with another world size (not exact).
         max_steps: Stop with a checkpoint after this global step.
+        tensorboard, wandb, mlflow: Trackers, as in
+            :class:`~hpc.pretrain.config.PretrainConfig`.
     """
 
     search: str = "runs/pretrain/search"
@@ -146,6 +153,9 @@ class TuneConfig:
     keep: int = 2
     elastic: bool = False
     max_steps: Optional[int] = None
+    tensorboard: Optional[bool] = None
+    wandb: Optional[str] = None
+    mlflow: Optional[str] = None
 
     @property
     def out_dir(self) -> Path:

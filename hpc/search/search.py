@@ -46,6 +46,7 @@ from hpc.search.evolution import Arch, enumerate_archs, propose, rank_key, space
 from hpc.search.export import count_params, extract
 from hpc.search.trained import LoadedRun, load_run, measure_latency, recal_images
 from hpc.sync.agree import any_true, broadcast_object
+from hpc.track.tracker import Trackers, check_available, for_stage
 
 __all__ = ["SearchResult", "search"]
 
@@ -102,6 +103,8 @@ class _Search:
         self.latency: dict[Arch, float] = {}
         self.params: dict[Arch, int] = {}
         self.generation, self.wall_s = 0, 0.0
+        self.run_id: Optional[str] = None
+        self.trackers: Optional[Trackers] = None
 
     # -- constraints -------------------------------------------------------------
     def params_of(self, arch: Arch) -> int:
@@ -200,7 +203,7 @@ class _Search:
                 "pretrain_checkpoint": self.run.checkpoint, "records": self.records,
                 "infeasible": sorted(list(a) for a in self.infeasible),
                 "latency": [[list(a), ms] for a, ms in sorted(self.latency.items())],
-                "wall_s": self.wall_s, "mode": self.mode}
+                "wall_s": self.wall_s, "mode": self.mode, "run_id": self.run_id}
 
     def load_state(self, payload: dict[str, Any]) -> None:
         self.records = list(payload["records"])
@@ -214,6 +217,11 @@ class _Search:
         directory = self.cfg.out_dir / "checkpoints"
         save_atomic(self.state(done), checkpoint_path(directory, self.generation))
         prune(directory, 2)
+        if self.trackers is not None:  # after the checkpoint: a resume never replays it
+            best = self.best() or {}
+            self.trackers.send_rows([{"step": self.generation, "split": "search",
+                                      "best_val_acc": best.get("val_acc"),
+                                      "scored": len(self.records)}])
 
     def best(self) -> Optional[dict[str, Any]]:
         if not self.records:
@@ -350,6 +358,7 @@ def search(config: Optional[SearchConfig] = None, space: Optional[nn.Module] = N
 
     cfg = config or SearchConfig()
     cfg.validate()
+    check_available(cfg.tensorboard, cfg.wandb, cfg.mlflow)  # every rank, before init
     hpc.init_torch(seed=cfg.seed)
     set_determinism(True)  # cuDNN: a candidate's score must not depend on the rank's kernels
     payload = _restore(cfg)
@@ -359,10 +368,16 @@ def search(config: Optional[SearchConfig] = None, space: Optional[nn.Module] = N
         ctx.load_state(payload)
         logger.info("resuming the search in %s after generation %d (%d sub-networks "
                     "scored)", cfg.out_dir, ctx.generation, len(ctx.records))
+    ctx.trackers = for_stage(
+        cfg.out_dir, cfg, resume_step=ctx.generation if payload is not None else None,
+        known_id=payload.get("run_id") if payload is not None else None, config=cfg.to_dict())
+    ctx.run_id = ctx.trackers.run_id
     logger.info("searching %s (step %d): %d sub-networks, %s, budget %d, %d ranks",
                 run.checkpoint, run.step, ctx.size, ctx.mode, cfg.budget, ctx.world)
     status = "completed" if payload is not None and payload["done"] else \
         _run_generations(ctx, stop_requested)
+    if ctx.trackers is not None:
+        ctx.trackers.close(status)
     best = ctx.best()
     if best is None:
         raise ValueError(_infeasible_message(ctx))

@@ -38,6 +38,7 @@ from hpc.pretrain import resume as resume_mod
 from hpc.pretrain.data import epoch_batches, steps_per_epoch, val_shard
 from hpc.pretrain.evaluate import recalibrate_bn
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
+from hpc.track.tracker import check_available, for_stage
 from hpc.pretrain.space import derive_seed
 from hpc.search.config import TuneConfig
 from hpc.search.export import SubNet, count_params, extract, save_model
@@ -66,6 +67,7 @@ class TuneResult:
         from_scratch: Whether the weights started fresh instead of from the supernet.
         world_size: Ranks of this run.
         checkpoint: Last checkpoint written.
+        run_id: The tune run's :func:`hpc.run_id`.
         samples_per_s: Global training samples per second in this process.
     """
 
@@ -82,6 +84,7 @@ class TuneResult:
     world_size: int
     checkpoint: Optional[str]
     samples_per_s: float
+    run_id: Optional[str] = None
 
 
 @torch.no_grad()
@@ -175,10 +178,14 @@ class _Tuner:
             if self.world > 1 else net
         self.step, self.val = self.pos.step, list(self.pos.val_acc)
         self.metrics = None
+        trackers = for_stage(self.out, cfg, resume_step=self.step if self.pos.path else None,
+                             known_id=self.pos.run_id, config=cfg.to_dict())
+        self.run_id = trackers.run_id
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.metrics = MetricsWriter(self.out / "metrics.csv",
-                                         resume_step=self.step if self.pos.path else None)
+                                         resume_step=self.step if self.pos.path else None,
+                                         trackers=trackers)
         self.train_time, self.run_steps, self.last_ckpt = 0.0, 0, None
 
     def train_step(self, idx: Tensor) -> tuple[float, float, bool]:
@@ -206,7 +213,8 @@ class _Tuner:
             self.metrics.flush()
         self.last_ckpt = resume_mod.save(self.cfg, self.out, self.net, self.optimizer,
                                          self.scheduler, step=self.step, epoch=epoch,
-                                         batch=batch, val_acc=self.val)
+                                         batch=batch, val_acc=self.val,
+                                         run_id=self.run_id)
 
     def epoch(self, epoch: int, start: int) -> bool:
         """Train one epoch from batch ``start``; True when asked to stop."""
@@ -263,6 +271,7 @@ def tune(config: Optional[TuneConfig] = None, *,
     """
     cfg = config or TuneConfig()
     cfg.validate()
+    check_available(cfg.tensorboard, cfg.wandb, cfg.mlflow)  # every rank, before init
     hpc.init_torch(seed=cfg.seed)
     resume_mod.set_determinism(True)  # bitwise-exact resume on GPUs too, as pretrain
     found = _read_search(cfg)
@@ -280,7 +289,7 @@ def tune(config: Optional[TuneConfig] = None, *,
             status = "stopped"
             break
     if t.metrics is not None:
-        t.metrics.flush()
+        t.metrics.close(status)
     _sync_buffers(net)
     loss, acc = evaluate_model(net, run.data.x_val, run.data.y_val)
     result = TuneResult(
@@ -288,7 +297,8 @@ def tune(config: Optional[TuneConfig] = None, *,
         params=count_params(net), val_acc_before=t.val[0], val_acc=acc, val_loss=loss,
         step=t.step, epoch=min(cfg.epochs, t.step // t.spe), from_scratch=cfg.from_scratch,
         world_size=t.world, checkpoint=t.last_ckpt,
-        samples_per_s=t.run_steps * t.world * cfg.batch_size / max(t.train_time, 1e-9))
+        samples_per_s=t.run_steps * t.world * cfg.batch_size / max(t.train_time, 1e-9),
+        run_id=t.run_id)
     if t.rank == 0:
         save_model(net, t.out / "model.pt", val_acc=acc, search=str(Path(cfg.search)))
         write_json(t.out / "tune.json", {**dataclasses.asdict(result),
