@@ -8,6 +8,9 @@ where this one stopped: the final weights are bitwise equal to an uninterrupted 
     hpc run --nproc 2 -- python docs/examples/train_preemptible.py --out runs/mine
     sbatch --requeue slurm/pretrain.sbatch python docs/examples/train_preemptible.py --out runs/mine
 
+It reports to TensorBoard (when installed; ``--wandb PROJECT``, ``--mlflow EXPERIMENT``
+too) under one run id for all its attempts, one point per step (``docs/tracking.md``).
+
 ``tests/integration/test_docs_examples.py`` runs it under ``hpc run --nproc 2`` with a
 USR2 to one rank and a resume; ``tests/integration/test_preemption.py`` under sbatch
 with a real partition preemption. See ``docs/preemptible.md``.
@@ -57,6 +60,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--ckpt-every", type=int, default=20, help="also checkpoint every N")
+    parser.add_argument("--wandb", metavar="PROJECT", help="also report to this W&B project")
+    parser.add_argument("--mlflow", metavar="EXPERIMENT", help="also report to MLflow")
     args = parser.parse_args()
 
     # [setup]
@@ -82,6 +87,12 @@ def main() -> int:
     step, start = (restored.step, restored.epoch) if restored else (0, 0)
     # [/restore]
 
+    # [track]
+    # One run id for every attempt (kept in --out); trackers open on the master only.
+    trackers = hpc.open_trackers(args.out, resume_step=restored.step if restored else None,
+                                 wandb=args.wandb, mlflow=args.mlflow, config=vars(args))
+    # [/track]
+
     # [loop]
     for epoch in range(start, args.epochs):
         sampler.set_epoch(epoch)                  # keeps a resumed epoch's skip
@@ -93,17 +104,21 @@ def main() -> int:
             opt.step()
             sched.step()
             step += 1
+            trackers.log(step, {"train/loss": loss.item(), "train/lr": sched.get_last_lr()[0]})
             # where the next step starts: (epoch, batches done) or the next epoch
             at = (epoch, batch + 1) if batch + 1 < steps_per_epoch else (epoch + 1, 0)
             if stop(step) or step % args.ckpt_every == 0:  # stop(): True on all ranks
                 path = hpc.save_checkpoint(ckpt, step, **states, epoch=at[0], batch=at[1])
                 if stop.stopped:
                     print(f"rank {info.rank}: stopped at step {step}", flush=True)
+                    trackers.close("stopped")             # the next attempt reopens it
                     stop.requeue_and_exit(step, path)  # 75 requeued, 0 not Slurm, 1 failed
         logger.info("epoch %d/%d step %d: loss %.4f", epoch + 1, args.epochs, step,
                     loss.item())
     hpc.save_checkpoint(ckpt, step, **states, epoch=args.epochs, batch=0)
-    print(f"rank {info.rank}: done step {step} digest {digest(model)}", flush=True)
+    trackers.close("completed")
+    print(f"rank {info.rank}: done step {step} digest {digest(model)} run {trackers.run_id}",
+          flush=True)
     # [/loop]
     return 0
 

@@ -28,6 +28,7 @@ _VARYING = [(re.compile(r"\b\d\d:\d\d:\d\d\b"), "<time>"),
             # sums round differently): the checks compare a run's digests with each other.
             (re.compile(r"\b(final|digest) [0-9a-f]{12,16}\b"), r"\1 <digest>"),
             (re.compile(r"\bchecksum -?\d+\.\d+"), "checksum <sum>"),
+            (re.compile(r"\b\d{8}-\d{6}-[0-9a-f]{6}\b"), "<run id>"),  # hpc.run_id
             (re.compile(r"\d+\.\d [KMG]iB free, fsync \d+\.\d+ s"), "<free> free, fsync <s>")]
 
 

@@ -15,7 +15,9 @@ One job is preempted twice, so one scenario covers both requeue paths:
 
 Each preemption must requeue the job exactly once (history: REQUEUED, REQUEUED,
 COMPLETED), the urgent jobs run in between, and the final weights must be bitwise equal
-to an uninterrupted run of the same template, with each step in metrics.csv once.
+to an uninterrupted run of the same template, with each step in metrics.csv once, and the
+run must be one run to its trackers: one run id over the 3 attempts, one TensorBoard
+run, one W&B (offline) run and one MLflow run, each with one point per step.
 
 Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/integration/test_preemption.py``
 """
@@ -23,6 +25,7 @@ Run under the shared lock: ``flock /tmp/hpc-heavy.lock pytest -m slurm tests/int
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -40,6 +43,7 @@ from tests.helpers.paths import ROOT
 from tests.helpers.preemption import assert_no_failure_marks, preempt, sacct_history
 from tests.helpers.slurm import sbatch_nowait, sbatch_wait, slurm_env, until
 from tests.helpers.step_hooks import slowed
+from tests.helpers.trackers import TRACKER_ARGS, assert_one_tracked_run, tracker_env
 from tests.helpers.tiny_pretrain import (
     ENV,
     STEPS,
@@ -68,10 +72,11 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     venv_bin = str(Path(sys.executable).parent)
     assert shutil.which("scontrol", path=venv_bin) is None
     out = tmp_path / "run"
-    train = shlex.join([sys.executable, "-m", "hpc", "pretrain", *TINY_ARGS, "--out", str(out)])
+    train = shlex.join([sys.executable, "-m", "hpc", "pretrain", *TINY_ARGS, "--out", str(out),
+                        *TRACKER_ARGS])
     ranks = (f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then export PATH={venv_bin}; fi; '
              f"exec {train}")
-    job_env = slurm_env(**ENV, **slowed(0.5, runs=2))
+    job_env = slurm_env(**ENV, **slowed(0.5, runs=2), **tracker_env(tmp_path))
     job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "bash", "-c", ranks], tmp_path, job_env,
                      cancel_after)
     log = tmp_path / f"hpc-srun-{job_id}.out"
@@ -112,6 +117,9 @@ def test_sigterm_preemption_requeues_once_each_time_and_resumes_exactly(
     assert_each_step_once(out)
     assert_same_final_weights(out, ref)
     assert STEPS == max(train_steps(out))
+    rid = assert_one_tracked_run(out, tmp_path, steps=STEPS, attempts=3)
+    assert json.loads((out / "result.json").read_text())["run_id"] == rid
+    assert final_state(out)["run_id"] == rid
 
 
 EXAMPLE = str(ROOT / "docs" / "examples" / "train_preemptible.py")
@@ -138,8 +146,10 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
     assert len(reference) == 1 and next(iter(reference))[0] == "128", reference
 
     out = tmp_path / "run"
-    job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "python", EXAMPLE, "--out", str(out)],
-                     tmp_path, slurm_env(**ENV, **slowed(0.2, runs=1)), cancel_after)
+    job_id = sbatch_nowait(["-p", "preemptible", TEMPLATE, "python", EXAMPLE, "--out", str(out),
+                            *TRACKER_ARGS], tmp_path,
+                           slurm_env(**ENV, **slowed(0.2, runs=1), **tracker_env(tmp_path)),
+                           cancel_after)
     until("checkpoint 20", lambda: (out / "checkpoints" / "ckpt-00000020.pt").exists(),
            job_id)
     urgent = preempt(tmp_path, env, cancel_after)
@@ -169,6 +179,8 @@ def test_preemptible_example_script_is_requeued_once_and_resumes_bitwise(
     a = final_state(out)["model"]
     b = final_state(ref)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rid = assert_one_tracked_run(out, tmp_path, steps=128, attempts=2)  # hpc.open_trackers
+    assert text.count(f"digest {next(iter(reference))[1]} run {rid}") == 4, text[-3000:]
 
 
 def _writer_of(job_id: str) -> int | None:
