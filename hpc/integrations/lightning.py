@@ -1,0 +1,203 @@
+"""Lightning (Fabric and Trainer) on torch-hpc's bootstrap and its agreed stop.
+
+:class:`HPCEnvironment` is a Lightning ``ClusterEnvironment`` whose layout comes from
+:func:`hpc.detect` under every launcher hpc reads (Slurm, torchrun, Open MPI, MPICH,
+PALS, Flux, LSF, ``hpc run``). It runs :func:`hpc.init_torch` first: the pre-flight,
+the master rules and the process group. Lightning then finds the group up and uses it.
+A Trainer or Fabric whose ``devices``/``num_nodes`` disagree with what the launcher
+started is refused with both sides named, instead of training a wrong layout.
+
+:class:`HPCPreemption` is a Trainer callback. It asks :class:`hpc.AgreedStop` after every
+training batch, so a signal to any rank (Slurm's warning signal, or a preemption's
+SIGTERM) stops every rank after the same batch. The stop writes a Lightning checkpoint,
+and :meth:`HPCPreemption.exit_if_stopped` then requeues the Slurm job (exit 75) as
+``hpc pretrain`` does. The next attempt resumes with
+``trainer.fit(..., ckpt_path=preemption.resume_path())``.
+
+Lightning's own Slurm support is left out: its auto-requeue handles SIGUSR1 only
+(Lightning#20542), and its environment trusts ``SLURM_*`` without a pre-flight. The
+module imports ``lightning``; ``import hpc`` does not import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import hpc
+from hpc.errors import LaunchEnvironmentError
+
+try:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.callbacks import Callback
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(
+        f"hpc.integrations.lightning needs the 'lightning' package ({e}).\n"
+        "HINT: pip install 'torch-hpc[lightning]'") from e
+
+__all__ = ["HPCEnvironment", "HPCPreemption"]
+
+logger = logging.getLogger(__name__)
+
+
+class HPCEnvironment(ClusterEnvironment):
+    """The launch hpc detected, as a Lightning cluster environment.
+
+    Args:
+        init: Run :func:`hpc.init_torch` now (default): the pre-flight, the master
+            rules, the GPU binding and the process group that Lightning then uses.
+            ``False`` only reads the layout (:func:`hpc.info`), and Lightning makes the
+            group itself.
+        info: Report this layout instead (no init), e.g. ``hpc.detect(environ)``.
+        **init_kwargs: Passed to :func:`hpc.init_torch` (``backend``, ``seed``,
+            ``timeout``, ...).
+
+    Example::
+
+        env = HPCEnvironment(seed=0)
+        trainer = L.Trainer(**env.trainer_kwargs(), max_epochs=10)
+    """
+
+    def __init__(self, *, init: bool = True, info: Optional[hpc.DistInfo] = None,
+                 **init_kwargs: Any) -> None:
+        super().__init__()
+        if info is None:
+            info = hpc.init_torch(**init_kwargs) if init else hpc.info()
+        self._info = info
+        # Lightning hints "srun is available but not used" wherever srun is installed;
+        # hpc found this launch's launcher, so the hint (a guess) would only mislead.
+        warnings.filterwarnings("ignore", message="The `srun` command is available")
+
+    @property
+    def info(self) -> Any:
+        """The :class:`hpc.DistInfo` this environment reports."""
+        return self._info
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True  # the launcher started every rank: Lightning must not spawn
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR") or self._info.master_addr or "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        port = os.environ.get("MASTER_PORT") or self._info.master_port
+        if port is None:
+            raise LaunchEnvironmentError(
+                f"the {self._info.launcher} launch names no master port and hpc.init_torch "
+                "has not run.\nHINT: construct HPCEnvironment() with init=True (the "
+                "default), or export MASTER_PORT.")
+        return int(port)
+
+    @staticmethod
+    def detect() -> bool:
+        """True when hpc finds a launcher (not the single-process fallback)."""
+        return hpc.detect().launcher != "local"
+
+    def world_size(self) -> int:
+        return self._info.world_size
+
+    def set_world_size(self, size: int) -> None:
+        if size != self._info.world_size:
+            raise LaunchEnvironmentError(self._mismatch(
+                f"Lightning computed a world size of {size} (num_nodes x devices)"))
+
+    def global_rank(self) -> int:
+        return self._info.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        if rank != self._info.rank:
+            raise LaunchEnvironmentError(self._mismatch(
+                f"Lightning numbers global rank {self._info.rank} as {rank} (node_rank x "
+                "devices + local_rank: ranks numbered node by node)"))
+
+    def local_rank(self) -> int:
+        return self._info.local_rank
+
+    def node_rank(self) -> int:
+        return self._info.node_rank
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        info = self._info
+        if info.world_size % max(info.num_nodes, 1) or \
+                info.local_world_size * info.num_nodes != info.world_size:
+            raise LaunchEnvironmentError(
+                f"the {info.launcher} launch has {info.world_size} ranks on {info.num_nodes} "
+                f"nodes, not the same number on every node (this node: "
+                f"{info.local_world_size}); Lightning needs the same devices per node.\n"
+                "HINT: launch the same number of tasks per node (srun "
+                "--ntasks-per-node, mpirun --map-by ppr:N:node).")
+        if (num_devices, num_nodes) != (info.local_world_size, info.num_nodes):
+            raise LaunchEnvironmentError(self._mismatch(
+                f"Trainer/Fabric(devices={num_devices}, num_nodes={num_nodes})"))
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """``accelerator``, ``devices``, ``num_nodes``, ``strategy`` and ``plugins`` for
+        ``L.Trainer(...)`` or ``L.Fabric(...)`` that match the launch."""
+        device = hpc.device()
+        accelerator = "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
+        info = self._info
+        return {"accelerator": accelerator, "devices": info.local_world_size,
+                "num_nodes": info.num_nodes,
+                "strategy": "ddp" if info.world_size > 1 else "auto", "plugins": [self]}
+
+    def _mismatch(self, fact: str) -> str:
+        info = self._info
+        return (f"{fact}, but the {info.launcher} launch started {info.world_size} ranks on "
+                f"{info.num_nodes} nodes ({info.local_world_size} per node, this is rank "
+                f"{info.rank}): Lightning would number the ranks wrong.\nHINT: pass "
+                f"**env.trainer_kwargs() (devices={info.local_world_size}, num_nodes="
+                f"{info.num_nodes}); with srun, keep the default --distribution=block.")
+
+
+class HPCPreemption(Callback):
+    """Stop every rank after the same batch on a signal, checkpoint, requeue.
+
+    Args:
+        dirpath: Where the stop's checkpoint goes (``hpc-stop-<step>.ckpt``), on a
+            filesystem every node sees; :meth:`resume_path` looks there.
+        stop: The :class:`hpc.AgreedStop` (create it first thing in the script, so
+            a signal during imports is not lost); default: one created here.
+
+    Example::
+
+        preemption = HPCPreemption(out / "checkpoints", stop)
+        trainer = L.Trainer(**env.trainer_kwargs(), callbacks=[preemption])
+        trainer.fit(model, loader, ckpt_path=preemption.resume_path())
+        preemption.exit_if_stopped()  # 75 requeued, 0 not Slurm, 1 not requeued
+    """
+
+    def __init__(self, dirpath: Union[str, Path], stop: Optional[Any] = None) -> None:
+        super().__init__()
+        self.dirpath = Path(dirpath)
+        self.stop = stop if stop is not None else hpc.AgreedStop()
+        self.stopped_at: Optional[tuple[int, str]] = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.stopped_at is not None or not self.stop(step):
+            return
+        path = self.dirpath / f"hpc-stop-{step:08d}.ckpt"
+        trainer.save_checkpoint(str(path), weights_only=False)  # every rank; rank 0 writes
+        trainer.strategy.barrier("hpc-stop")
+        self.stopped_at = (step, str(path))
+        trainer.should_stop = True
+        logger.info("stopping after step %d on %s; checkpoint %s", step,
+                    self.stop.signal_name, path)
+
+    def resume_path(self) -> Optional[str]:
+        """The newest stop checkpoint in ``dirpath`` (``None``: a fresh start)."""
+        found = sorted(self.dirpath.glob("hpc-stop-*.ckpt"))
+        return str(found[-1]) if found else None
+
+    def exit_if_stopped(self) -> None:
+        """After ``fit``: when a signal stopped it, requeue the Slurm job and exit (75
+        requeued, 0 not a Slurm job, 1 not requeued); otherwise return (collective)."""
+        if self.stopped_at is not None:
+            self.stop.requeue_and_exit(*self.stopped_at)

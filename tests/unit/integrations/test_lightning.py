@@ -1,0 +1,56 @@
+"""HPCEnvironment reports hpc's layout to Lightning and refuses one Lightning would get
+wrong (read from a torchrun environment: rank 3 of 4, 2 nodes x 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc.errors import LaunchEnvironmentError
+
+pytest.importorskip("lightning")
+
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "t1"}
+
+
+@pytest.fixture
+def env():  # noqa: ANN201
+    from hpc.environments import detect
+    from hpc.integrations.lightning import HPCEnvironment
+
+    return HPCEnvironment(info=detect(TORCHRUN))
+
+
+def test_the_layout_is_hpcs(env) -> None:  # noqa: ANN001
+    assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == \
+        (4, 3, 1, 1)
+    assert (env.main_address, env.main_port) == ("node1", 29500)
+    assert env.creates_processes_externally
+    assert not env.detect()  # detect() reads this process: no launcher here
+    kwargs = env.trainer_kwargs()
+    assert (kwargs["devices"], kwargs["num_nodes"], kwargs["strategy"]) == (2, 2, "ddp")
+    assert kwargs["plugins"] == [env]
+    env.set_world_size(4)
+    env.set_global_rank(3)
+    env.validate_settings(2, 2)
+
+
+def test_lightnings_own_numbers_must_agree(env) -> None:  # noqa: ANN001
+    with pytest.raises(LaunchEnvironmentError, match=r"(?s)world size of 8 .* 4 ranks on 2 "
+                       r"nodes \(2 per node, this is rank 3\).*devices=2, num_nodes=2"):
+        env.set_world_size(8)
+    with pytest.raises(LaunchEnvironmentError, match="numbers global rank 3 as 1"):
+        env.set_global_rank(1)
+    with pytest.raises(LaunchEnvironmentError, match=r"Trainer/Fabric\(devices=4, num_nodes=1\)"):
+        env.validate_settings(4, 1)
+
+
+def test_uneven_ranks_per_node_are_refused() -> None:
+    from hpc.environments import DistInfo
+    from hpc.integrations.lightning import HPCEnvironment
+
+    info = DistInfo(launcher="slurm", rank=2, local_rank=0, world_size=3, local_world_size=1,
+                    node_rank=1, num_nodes=2)  # 2 ranks on node 0, this one alone on node 1
+    with pytest.raises(LaunchEnvironmentError, match="not the same number on every node"):
+        HPCEnvironment(info=info).validate_settings(1, 2)
