@@ -88,3 +88,23 @@ def kill_rank_first_run() -> None:
 def killing_first_run(rank: int, at: int) -> dict[str, str]:
     """:func:`killing` for :func:`kill_rank_first_run`."""
     return {**killing(rank, at), "HPC_STEP_HOOK": f"{__name__}:kill_rank_first_run"}
+
+
+def usr2_rank() -> None:
+    """``kill -USR2`` of this process at its ``HPC_TEST_USR2_AT``-th step poll when it is
+    global rank ``HPC_TEST_USR2_RANK`` (``RANK`` under ``hpc run``, ``SLURM_PROCID`` under
+    srun): a real signal to one rank, at a step the test chooses."""
+    global _polls
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    if rank != os.environ.get("HPC_TEST_USR2_RANK"):
+        return
+    _polls += 1
+    if _polls == int(os.environ.get("HPC_TEST_USR2_AT") or 1):
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def signalling(rank: int, at: int) -> dict[str, str]:
+    """Variables for a run whose rank ``rank`` gets SIGUSR2 at its ``at``-th step poll."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {"HPC_STEP_HOOK": f"{__name__}:usr2_rank", "HPC_TEST_USR2_RANK": str(rank),
+            "HPC_TEST_USR2_AT": str(at), "PYTHONPATH": path}

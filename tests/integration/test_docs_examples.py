@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import clean_env, hpc_run, kill_group
-from tests.helpers.step_hooks import slowed
+from tests.helpers.step_hooks import signalling, slowed
 
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
 
@@ -198,11 +198,61 @@ def check_train_preemptible(proc: subprocess.CompletedProcess[str], tmp: Path) -
     assert f"The uninterrupted run prints the same `digest {doc_digest}`" in page
 
 
+FRAMEWORK_DONE = re.compile(r"rank (\d): .*; done step (\d+)(?: digest (\w+))? run ([\w-]+)")
+
+
+def _framework_runs(script: str, tmp: Path) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """``script`` stopped by a USR2 to rank 1 at its 30th step, then run again: the
+    stopped run's output and the resumed run."""
+    out = tmp / "interrupted"
+    argv = [str(ROOT / "docs" / "examples" / script), "--out", str(out)]
+    stopped = hpc_run(2, argv, timeout=150, env=clean_env(**signalling(1, 30)))
+    text = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 0, text
+    assert "stopped at step 30 on SIGUSR2" in text and "Not a Slurm job" in text, text
+    resumed = hpc_run(2, argv, timeout=150)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    return text, resumed
+
+
+def _framework_done(text: str) -> tuple[str, str, str]:
+    """(step, digest, run id) both ranks printed at the end; asserts they agree."""
+    rows = FRAMEWORK_DONE.findall(text)
+    assert sorted(r for r, *_ in rows) == ["0", "1"], text
+    assert len({tuple(r[1:]) for r in rows}) == 1, f"ranks ended differently: {rows}"
+    return rows[0][1], rows[0][2], rows[0][3]
+
+
+def check_framework_resume(proc: subprocess.CompletedProcess[str], tmp: Path,
+                           script: str) -> None:
+    """``proc`` ran uninterrupted. Stopped at step 30 and resumed, the run ends at the same
+    step (with the same digest where the example prints one) under one run id."""
+    step, digest, ref_id = _framework_done(proc.stdout)
+    assert step == "96", proc.stdout
+    stopped, resumed = _framework_runs(script, tmp)
+    assert "done step" not in stopped, stopped
+    end_step, end_digest, rid = _framework_done(resumed.stdout)
+    assert (end_step, end_digest) == (step, digest), "resume is not where the reference ended"
+    assert rid != ref_id and (tmp / "interrupted" / "run_id").read_text().strip() == rid
+
+
+def check_train_lightning(proc: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    check_framework_resume(proc, tmp, "train_lightning.py")
+    assert "layout 2 ranks, 1 nodes, global_rank 1 local_rank 1 node_rank 0" in proc.stdout
+    rid = (tmp / "interrupted" / "run_id").read_text().strip()
+    assert [p.name for p in (tmp / "interrupted" / "tb").iterdir()] == [rid]
+
+
 #: Expected output of each example; a new example needs an entry here.
 CHECKS: dict[str, tuple[list[str], Callable[[subprocess.CompletedProcess[str], Path], None]]] = {
     "train_minimal.py": (["--out", "{tmp}"], check_train_minimal),
     "train_supernet.py": ([], check_train_supernet),
     "train_preemptible.py": (["--out", "{tmp}/reference"], check_train_preemptible),
+    "train_lightning.py": (["--out", "{tmp}/reference"], check_train_lightning),
+    "train_fabric.py": (["--out", "{tmp}/reference"],
+                        lambda p, t: check_framework_resume(p, t, "train_fabric.py")),
+    "train_accelerate.py": (["--out", "{tmp}/reference"],
+                            lambda p, t: check_framework_resume(p, t, "train_accelerate.py")),
 }
 
 
