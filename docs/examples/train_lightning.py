@@ -67,10 +67,10 @@ def main() -> int:
     env = HPCEnvironment(seed=0)             # hpc.init_torch(): pre-flight, process group
     hpc.setup_logging(env.info)
     rid = hpc.run_id(args.out)               # the same id after every requeue
-    preemption = HPCPreemption(args.out / "checkpoints", stop)
+    preemption = HPCPreemption(args.out / "checkpoints", stop, every_n_steps=20)
     trainer = L.Trainer(**env.trainer_kwargs(), max_epochs=args.epochs,
                         callbacks=[preemption], log_every_n_steps=1,
-                        logger=TensorBoardLogger(args.out, name="tb", version=rid),
+                        logger=TensorBoardLogger(args.out, name="tensorboard", version=rid),
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Classifier(), loader(), ckpt_path=preemption.resume_path(), weights_only=True)

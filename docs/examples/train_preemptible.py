@@ -89,8 +89,8 @@ def main() -> int:
 
     # [track]
     # One run id for every attempt (kept in --out); trackers open on the master only.
-    trackers = hpc.open_trackers(args.out, resume_step=restored.step if restored else None,
-                                 wandb=args.wandb, mlflow=args.mlflow, config=vars(args))
+    trackers = hpc.open_trackers(args.out, restored=restored, wandb=args.wandb,
+                                 mlflow=args.mlflow, config=vars(args))
     # [/track]
 
     # [loop]

@@ -47,6 +47,7 @@ from hpc.checkpoint.storage import preflight_once
 from hpc.checkpoint.writer import write_checkpoint
 from hpc.errors import CheckpointError
 from hpc.sync.agree import broadcast_object, world
+from hpc.track import runid
 from hpc.watchdog import tracker
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "Restored", "load_states",
@@ -217,6 +218,8 @@ def _payload(path: Path, step: int, epoch: int, batch: int, size: int, model: nn
     payload = {**(extra or {}), "format": FORMAT, "step": int(step),
                "epoch": int(epoch), "batch": int(batch), "world_size": size,
                "model": _unwrap(model).state_dict(), **(states or {})}
+    if "run_id" not in payload and runid.current() is not None:
+        payload["run_id"] = runid.current()  # the run this checkpoint belongs to
     if optimizer is not None:
         payload["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
@@ -265,6 +268,8 @@ class Restored:
         batch: Batches of ``epoch`` already done (the sampler skips them).
         world_size: Ranks that wrote it.
         payload: The whole file, ``extra`` values included (the master's).
+        run_id: The run's :func:`hpc.run_id` stored at the save, if one was settled
+            (give it to :func:`hpc.open_trackers` as ``restored=``).
         rank_extra: This rank's own ``rank_extra`` as it saved it; ``{}`` when none was
             saved or the world size changed (then ``payload["rank_extra"]`` holds the
             saved ranks', by rank).
@@ -277,6 +282,12 @@ class Restored:
     world_size: int
     payload: dict[str, Any]
     rank_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The :func:`hpc.run_id` settled when it was saved (``None``: none was)."""
+        value = self.payload.get("run_id")
+        return str(value) if value is not None else None
 
 
 def load_states(payload: dict[str, Any], *, model: nn.Module,

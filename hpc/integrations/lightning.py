@@ -9,8 +9,9 @@ started is refused with both sides named, instead of training a wrong layout.
 
 :class:`HPCPreemption` is a Trainer callback. It asks :class:`hpc.AgreedStop` after every
 training batch, so a signal to any rank (Slurm's warning signal, or a preemption's
-SIGTERM) stops every rank after the same batch. The stop writes a Lightning checkpoint,
-and :meth:`HPCPreemption.exit_if_stopped` then requeues the Slurm job (exit 75) as
+SIGTERM) stops every rank after the same batch. The stop writes a Lightning checkpoint
+(as do every ``every_n_steps`` steps and the end of training), and
+:meth:`HPCPreemption.exit_if_stopped` then requeues the Slurm job (exit 75) as
 ``hpc pretrain`` does. The next attempt resumes with
 ``trainer.fit(..., ckpt_path=preemption.resume_path())``.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -148,8 +150,9 @@ class HPCEnvironment(ClusterEnvironment):
 
     def _mismatch(self, fact: str) -> str:
         info = self._info
+        nodes = f"{info.num_nodes} node" + ("s" if info.num_nodes != 1 else "")
         return (f"{fact}, but the {info.launcher} launch started {info.world_size} ranks on "
-                f"{info.num_nodes} nodes ({info.local_world_size} per node, this is rank "
+                f"{nodes} ({info.local_world_size} per node, this is rank "
                 f"{info.rank}): Lightning would number the ranks wrong.\nHINT: pass "
                 f"**env.trainer_kwargs() (devices={info.local_world_size}, num_nodes="
                 f"{info.num_nodes}); with srun, keep the default --distribution=block.")
@@ -158,42 +161,82 @@ class HPCEnvironment(ClusterEnvironment):
 class HPCPreemption(Callback):
     """Stop every rank after the same batch on a signal, checkpoint, requeue.
 
+    Checkpoints (``hpc-<step>.ckpt``, the Trainer's full state) are written at a stop,
+    every ``every_n_steps`` steps and at the end of training, so :meth:`resume_path`
+    continues a stopped run, a crashed one from its last periodic checkpoint, and a
+    finished one without training again.
+
     Args:
-        dirpath: Where the stop's checkpoint goes (``hpc-stop-<step>.ckpt``), on a
-            filesystem every node sees; :meth:`resume_path` looks there.
+        dirpath: Where the checkpoints go, on a filesystem every node sees.
         stop: The :class:`hpc.AgreedStop` (create it first thing in the script, so
             a signal during imports is not lost); default: one created here.
+        every_n_steps: Also checkpoint every N optimizer steps (0: only at stops and at
+            the end). After a crash the run repeats at most N steps.
+        keep: Checkpoints kept (the newest).
 
     Example::
 
-        preemption = HPCPreemption(out / "checkpoints", stop)
+        preemption = HPCPreemption(out / "checkpoints", stop, every_n_steps=100)
         trainer = L.Trainer(**env.trainer_kwargs(), callbacks=[preemption])
-        trainer.fit(model, loader, ckpt_path=preemption.resume_path())
+        trainer.fit(model, loader, ckpt_path=preemption.resume_path(), weights_only=True)
         preemption.exit_if_stopped()  # 75 requeued, 0 not Slurm, 1 not requeued
     """
 
-    def __init__(self, dirpath: Union[str, Path], stop: Optional[Any] = None) -> None:
+    def __init__(self, dirpath: Union[str, Path], stop: Optional[Any] = None, *,
+                 every_n_steps: int = 0, keep: int = 2) -> None:
         super().__init__()
+        if every_n_steps < 0 or keep < 1:
+            raise ValueError(f"HPCPreemption: every_n_steps={every_n_steps} must be >= 0 "
+                             f"and keep={keep} >= 1.")
         self.dirpath = Path(dirpath)
         self.stop = stop if stop is not None else hpc.AgreedStop()
+        self.every_n_steps, self.keep = every_n_steps, keep
         self.stopped_at: Optional[tuple[int, str]] = None
+        self._saved_step: Optional[int] = None
+        self._sigterm = signal.getsignal(signal.SIGTERM)  # the guard's, installed by stop
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Give SIGTERM back to hpc's guard. Lightning (2.x) sets its own handler at fit
+        start: it broadcasts from inside the signal handler and, at the end of the batch,
+        raises ``SIGTERMException``, a ``SystemExit`` with status 0, so a preempted job
+        ends as if it had completed and is never requeued. hpc's guard only records the
+        signal; the agreed stop, the checkpoint and the requeue follow at the step's end.
+        Lightning puts the handlers back as they were when ``fit`` returns."""
+        if callable(self._sigterm):
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _save(self, trainer: Any, step: int) -> str:
+        """Checkpoint ``step`` (every rank calls it; rank 0 writes and prunes)."""
+        path = self.dirpath / f"hpc-{step:08d}.ckpt"
+        trainer.save_checkpoint(str(path), weights_only=False)
+        if trainer.is_global_zero:
+            for old in sorted(self.dirpath.glob("hpc-*.ckpt"))[:-self.keep]:
+                old.unlink(missing_ok=True)
+        trainer.strategy.barrier("hpc-checkpoint")
+        self._saved_step = step
+        return str(path)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if self.stopped_at is not None or not self.stop(step):
+        if self.stopped_at is not None:
             return
-        path = self.dirpath / f"hpc-stop-{step:08d}.ckpt"
-        trainer.save_checkpoint(str(path), weights_only=False)  # every rank; rank 0 writes
-        trainer.strategy.barrier("hpc-stop")
-        self.stopped_at = (step, str(path))
-        trainer.should_stop = True
-        logger.info("stopping after step %d on %s; checkpoint %s", step,
-                    self.stop.signal_name, path)
+        if self.stop(step):
+            self.stopped_at = (step, self._save(trainer, step))
+            trainer.should_stop = True
+            logger.info("stopping after step %d on %s; checkpoint %s", step,
+                        self.stop.signal_name, self.stopped_at[1])
+        elif self.every_n_steps and step % self.every_n_steps == 0 and \
+                step != self._saved_step:
+            self._save(trainer, step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.stopped_at is None and trainer.global_step != self._saved_step:
+            self._save(trainer, trainer.global_step)  # a rerun finds the run finished
 
     def resume_path(self) -> Optional[str]:
-        """The newest stop checkpoint in ``dirpath`` (``None``: a fresh start)."""
-        found = sorted(self.dirpath.glob("hpc-stop-*.ckpt"))
+        """The newest checkpoint in ``dirpath`` (``None``: a fresh start)."""
+        found = sorted(self.dirpath.glob("hpc-*.ckpt"))
         return str(found[-1]) if found else None
 
     def exit_if_stopped(self) -> None:

@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 from hpc.errors import HPCError
 
-__all__ = ["run_id", "establish", "FILE", "new_id"]
+__all__ = ["run_id", "establish", "current", "FILE", "new_id"]
 
 #: The file in the run directory that holds the id.
 FILE = "run_id"
@@ -38,6 +38,12 @@ _current: Optional[str] = None
 def new_id() -> str:
     """A fresh id: ``YYYYmmdd-HHMMSS-`` and 6 random hex digits."""
     return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+
+
+def current() -> Optional[str]:
+    """The id settled in this process, or ``None`` (no collective; ``save_checkpoint``
+    stores it in every checkpoint)."""
+    return _current
 
 
 def _read(path: Path) -> Optional[str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -99,30 +100,74 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run with id ``run_id``, resumed by every attempt."""
+    """One W&B run with id ``run_id``, resumed by every attempt.
+
+    wandb logs through a service process of its own, and a Slurm preemption's SIGTERM
+    reaches every process of the step: the service shuts down at once, long before the
+    ranks' agreed stop, and what it had not yet written is lost (measured: all of the
+    attempt's points, with wandb 0.31 offline). A send that finds it gone reopens the run
+    (a new service, the same id) once and sends again every point the dead service was
+    given (the newest :data:`RESEND` of them), so no point is lost.
+    """
+
+    #: Points kept for a resend after the service died (older ones are on disk: the
+    #: service writes its log in 32 KiB blocks as they fill).
+    RESEND = 100_000
 
     name = "wandb"
 
     def __init__(self, project: str, directory: Path, run_id: str,
                  config: dict[str, Any]) -> None:
-        wandb = _need("wandb", "wandb", "--wandb")
+        self._wandb = _need("wandb", "wandb", "--wandb")
         directory.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, id=run_id, name=run_id, resume="allow",
-                              dir=str(directory), config=config)
+        self._init = dict(project=project, id=run_id, name=run_id, resume="allow",
+                          dir=str(directory), config=config)
+        self.run = self._wandb.init(**self._init)
+        self._given: deque[Point] = deque(maxlen=self.RESEND)  # to this service
         self.mark = directory / "wandb" / f"hpc-step-{run_id}"
         self.held_through = int(self.mark.read_text()) if self.mark.is_file() else None
 
+    def _reopen(self, error: BaseException) -> None:
+        logger.warning("wandb's service is gone (%s: %s; a preemption's SIGTERM reaches "
+                       "every process of the step): reopening run %s", type(error).__name__,
+                       error, self._init["id"])
+        try:
+            self._wandb.teardown()
+        except Exception:  # noqa: BLE001 - the broken connection says so again
+            pass
+        self.run = self._wandb.init(**self._init)
+
     def send(self, points: Sequence[Point]) -> None:
-        for step, values in points:
-            self.run.log(values, step=step)
+        self._logged = 0
+        try:
+            self._log(points)
+        except OSError as e:  # ConnectionResetError, BrokenPipeError: the service died
+            self._reopen(e)
+            lost = [*self._given, *points[self._logged:]]  # the batch's first part is in
+            self._given.clear()
+            self._log(lost)
         if points:
             self.mark.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.mark.with_name(f".{self.mark.name}.tmp-{os.getpid()}")
             tmp.write_text(f"{points[-1][0]}\n")
             os.replace(tmp, self.mark)
 
+    def _log(self, points: Sequence[Point]) -> None:
+        for step, values in points:
+            self.run.log(values, step=step)
+            self._given.append((step, values))
+            self._logged += 1
+
     def close(self, status: str) -> None:
-        self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)
+        code = 0 if status in ("completed", "stopped") else 1
+        try:
+            self.run.finish(exit_code=code)
+        except OSError as e:  # the service died since the last send: its points with it
+            self._reopen(e)
+            lost = list(self._given)
+            self._given.clear()
+            self._log(lost)
+            self.run.finish(exit_code=code)
 
 
 class MlflowSink:

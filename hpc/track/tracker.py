@@ -143,10 +143,10 @@ def _open_sinks(run_dir: Path, run_id: str, resume_step: Optional[int],
     return sinks
 
 
-def open_trackers(directory: Union[str, Path], *, resume_step: Optional[int] = None,
-                  new: bool = False, tensorboard: Optional[bool] = None,
-                  wandb: Optional[str] = None, mlflow: Optional[str] = None,
-                  config: Optional[dict[str, Any]] = None,
+def open_trackers(directory: Union[str, Path], *, restored: Optional[Any] = None,
+                  resume_step: Optional[int] = None, new: bool = False,
+                  tensorboard: Optional[bool] = None, wandb: Optional[str] = None,
+                  mlflow: Optional[str] = None, config: Optional[dict[str, Any]] = None,
                   known_id: Optional[str] = None) -> Trackers:
     """Settle the run's id and open its trackers on the global master (collective).
 
@@ -156,7 +156,11 @@ def open_trackers(directory: Union[str, Path], *, resume_step: Optional[int] = N
     Args:
         directory: The run directory, shared by every node: ``run_id`` is kept there,
             TensorBoard writes ``tensorboard/<run id>/`` and W&B its ``wandb/`` folder.
-        resume_step: The step your checkpoint resumed from; ``None`` on a fresh start.
+        restored: What :func:`hpc.restore_checkpoint` returned (``None``: a fresh
+            start): its step is the resume step and its run id (stored by
+            :func:`hpc.save_checkpoint`) wins over the directory's.
+        resume_step: The step your checkpoint resumed from, for checkpoints that are
+            not hpc's (Lightning, Fabric); ``None`` on a fresh start.
         new: A fresh start is a new run (a new id) rather than the directory's run
             again; ignored when resuming.
         tensorboard: ``True``/``False``; ``None`` = when the package is installed.
@@ -169,6 +173,9 @@ def open_trackers(directory: Union[str, Path], *, resume_step: Optional[int] = N
         TrackerUnavailable: a tracker that was asked for is not installed (every rank).
     """
     check_available(tensorboard, wandb, mlflow)
+    if restored is not None:
+        resume_step = restored.step
+        known_id = known_id or restored.run_id
     fresh = resume_step is None and known_id is None
     rid = establish(directory, new=new and fresh, known=known_id)
     from hpc.sync.agree import world

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import struct
 from collections import Counter
 from pathlib import Path
@@ -52,20 +54,37 @@ def tensorboard_values(log_dir: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars(tag)}
 
 
+@contextlib.contextmanager
+def _file_store_allowed() -> Any:
+    """MLflow 3 refuses its file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set (the
+    runs under test had it in their environment; this process may not)."""
+    old = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MLFLOW_ALLOW_FILE_STORE"]
+        else:
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = old
+
+
 def mlflow_runs(experiment: str, tag_value: str, uri: str | None = None) -> list[Any]:
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    assert exp is not None, f"no MLflow experiment {experiment!r}"
-    return client.search_runs([exp.experiment_id],
-                              filter_string=f"tags.`hpc.run_id` = '{tag_value}'")
+    with _file_store_allowed():
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name(experiment)
+        assert exp is not None, f"no MLflow experiment {experiment!r}"
+        return client.search_runs([exp.experiment_id],
+                                  filter_string=f"tags.`hpc.run_id` = '{tag_value}'")
 
 
 def mlflow_steps(run_id: str, key: str, uri: str | None = None) -> list[int]:
     from mlflow.tracking import MlflowClient
 
-    return [m.step for m in MlflowClient(uri).get_metric_history(run_id, key)]
+    with _file_store_allowed():
+        return [m.step for m in MlflowClient(uri).get_metric_history(run_id, key)]
 
 
 def _records(path: Path) -> Any:
@@ -140,7 +159,8 @@ def assert_one_tracked_run(run_dir: Path, tmp: Path, *, steps: int, attempts: in
     tb = tensorboard_steps(run_dir / "tensorboard" / rid, tag)
     assert tb == list(range(1, steps + 1)), f"TensorBoard {tag}: {tb}"
     held = wandb_history(run_dir)
-    assert held["ids"] == {rid} and held["files"] == attempts, held
+    # one offline file per attempt, and one more per reopened service (a preemption)
+    assert held["ids"] == {rid} and held["files"] >= attempts, held
     assert sorted(held["steps"][tag]) == list(range(1, steps + 1)), \
         f"W&B {tag} duplicates {duplicates(held['steps'][tag])}: {held['steps'][tag]}"
     uri = (tmp / "mlruns").as_uri()

@@ -237,10 +237,24 @@ def check_framework_resume(proc: subprocess.CompletedProcess[str], tmp: Path,
 
 
 def check_train_lightning(proc: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    """Also: one TensorBoard version with one point per step, and a rerun of the finished
+    run restores its last checkpoint and trains nothing more (a helper's finding: the
+    first version retrained from the stop's checkpoint and logged 57 steps twice)."""
+    from tests.helpers.trackers import duplicates, tensorboard_steps
+
     check_framework_resume(proc, tmp, "train_lightning.py")
     assert "layout 2 ranks, 1 nodes, global_rank 1 local_rank 1 node_rank 0" in proc.stdout
-    rid = (tmp / "interrupted" / "run_id").read_text().strip()
-    assert [p.name for p in (tmp / "interrupted" / "tb").iterdir()] == [rid]
+    out = tmp / "interrupted"
+    rid = (out / "run_id").read_text().strip()
+    assert [p.name for p in (out / "tensorboard").iterdir()] == [rid]
+    steps = tensorboard_steps(out / "tensorboard" / rid, "train/loss")
+    assert sorted(steps) == list(range(96)), duplicates(steps)
+    again = hpc_run(2, [str(ROOT / "docs" / "examples" / "train_lightning.py"), "--out",
+                        str(out)], timeout=150)
+    assert again.returncode == 0 and _framework_done(again.stdout)[::2] == ("96", rid), \
+        again.stdout + again.stderr
+    assert f"checkpoint at {out}/checkpoints/hpc-00000096.ckpt" in again.stderr, again.stderr
+    assert sorted(tensorboard_steps(out / "tensorboard" / rid, "train/loss")) == steps
 
 
 #: Expected output of each example; a new example needs an entry here.

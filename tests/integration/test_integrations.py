@@ -76,7 +76,7 @@ def test_a_preempted_lightning_fit_is_requeued_and_resumes_under_its_run_id(
     assert len(stops) == 1, text[-4000:]  # rank 0 logs it; one step for all ranks
     (stop_step,) = stops
     assert 0 < int(stop_step) < 48, stop_step
-    ckpt = out / "checkpoints" / f"hpc-stop-{int(stop_step):08d}.ckpt"
+    ckpt = out / "checkpoints" / f"hpc-{int(stop_step):08d}.ckpt"
     assert f"requeued job {job_id} after step {stop_step} (SIGTERM; " in text, text[-4000:]
     assert f"Restored all states from the checkpoint at {ckpt}" in text, text[-4000:]
     assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"], history
@@ -85,7 +85,7 @@ def test_a_preempted_lightning_fit_is_requeued_and_resumes_under_its_run_id(
     assert ranks == {"0": ("0", "0", "48"), "1": ("1", "0", "48"), "2": ("0", "1", "48"),
                      "3": ("1", "1", "48")}, text[-3000:]
     assert text.count(f"run {rid}") == 4 and (out / "run_id").read_text().strip() == rid
-    assert [p.name for p in (out / "tb").iterdir()] == [rid]  # one TensorBoard version
+    assert [p.name for p in (out / "tensorboard").iterdir()] == [rid]  # one version
 
     fabric = jobwatch.wait(fabric_id, timeout=120)
     fabric_text = (tmp_path / f"hpc-srun-{fabric_id}.out").read_text()
@@ -118,6 +118,6 @@ def test_a_trainer_whose_devices_disagree_with_the_launch_is_refused(tmp_path: P
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(
         "refused: LaunchEnvironmentError Lightning computed a world size of 1 (num_nodes x "
-        "devices), but the hpc-run launch started 2 ranks on 1 nodes (2 per node, this is "
+        "devices), but the hpc-run launch started 2 ranks on 1 node (2 per node, this is "
         "rank ") == 2, proc.stdout
     assert "HINT: pass **env.trainer_kwargs() (devices=2, num_nodes=1)" in proc.stdout

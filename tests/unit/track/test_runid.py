@@ -62,3 +62,21 @@ def test_importing_hpc_track_imports_no_tracker_and_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_checkpoint_carries_the_id_to_a_moved_directory(tmp_path: Path) -> None:
+    """The docs' own-script pattern: the id is stored by save_checkpoint and adopted by
+    open_trackers(restored=...) even where the directory holds another id."""
+    import shutil
+
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    rid = hpc.run_id(tmp_path / "run")
+    hpc.save_checkpoint(tmp_path / "run" / "ckpt", 5, model=model)
+    shutil.copytree(tmp_path / "run" / "ckpt", tmp_path / "moved" / "ckpt")
+    runid._current = None  # a new process
+    restored = hpc.restore_checkpoint(tmp_path / "moved" / "ckpt", model=model)
+    assert restored is not None and restored.run_id == rid
+    trackers = hpc.open_trackers(tmp_path / "moved", restored=restored, tensorboard=False)
+    assert trackers.run_id == rid == (tmp_path / "moved" / "run_id").read_text().strip()

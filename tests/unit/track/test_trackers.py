@@ -128,3 +128,56 @@ def test_log_sends_one_point_and_a_resumed_run_keeps_its_id(tmp_path: Path) -> N
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runid, "_current", None)
+
+
+def test_wandb_reopens_its_run_when_a_sigterm_ended_its_service(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Slurm preemption's SIGTERM reaches wandb's service process too (found on the
+    test cluster: the attempt's last points were lost). The real service is SIGTERMed
+    here; the next send reopens the run and no step is lost or doubled."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    read.require_package("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = open_trackers(tmp_path, tensorboard=False, wandb="proj")
+    trackers.send_rows(_rows(range(1, 4)))
+    services = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "wandb-core"],
+                              capture_output=True, text=True, timeout=10).stdout.split()
+    assert services, "wandb's service process was not found"
+    for pid in services:
+        os.kill(int(pid), signal.SIGTERM)
+    time.sleep(1)
+    trackers.send_rows(_rows(range(4, 7)))
+    assert [s.name for s in trackers.sinks] == ["wandb"]  # not dropped
+    trackers.close("completed")
+    held = read.wandb_history(tmp_path)
+    assert held["ids"] == {trackers.run_id} and held["files"] == 2
+    assert sorted(held["steps"]["train/loss"]) == list(range(1, 7)), held["steps"]
+
+
+def test_wandb_resends_at_close_what_a_dead_service_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example's case on the cluster: the points were given to the service, then the
+    SIGTERM ended it, and the next call was the stop's close (steps 1-22 were lost)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    read.require_package("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = open_trackers(tmp_path, tensorboard=False, wandb="proj")
+    for step in range(1, 5):
+        trackers.log(step, {"loss": 1.0 / step})
+    for pid in subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "wandb-core"],
+                              capture_output=True, text=True, timeout=10).stdout.split():
+        os.kill(int(pid), signal.SIGTERM)
+    time.sleep(1)
+    trackers.close("stopped")
+    held = read.wandb_history(tmp_path)
+    assert sorted(held["steps"]["loss"]) == [1, 2, 3, 4], held
