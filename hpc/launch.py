@@ -341,7 +341,7 @@ class _Job:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         others = ", ".join(str(r) for r, _, _ in sorted(failed) if r != rank) or "none"
         _say(f"rank {rank} (pid {self.procs[rank].pid}) failed first with {how}"
-             + (f": {mark[1]}" if mark and mark[1] != GENERIC_MESSAGE else "")
+             + (f": {mark[1].rstrip('.')}" if mark and mark[1] != GENERIC_MESSAGE else "")
              + f"; ranks failing after it: {others}; stopped all {len(self.procs)} ranks. "
              f"Its output above is prefixed [rank {rank}]." + self._missing_module(rank))
         return 128 - code if code < 0 else code

@@ -207,7 +207,7 @@ def test_pretrain_bitflip_fails_naming_rank_1(tmp_path: Path) -> None:
     ("exc", r"with exit code 1: hpc\.errors\.InjectedFault: HPC_FAULT 1:20:exc: an "
             r"exception injected on rank 1 at step 20\."),
     ("hang", r"with exit code 1: \S+ #\d+ timed out \(reported by rank 0\): rank 1 "
-             r"\(\S+, pid {pid}\) never entered it\."),
+             r"\(\S+, pid {pid}\) never entered it; ranks failing after it"),
 ], ids=["kill", "exit", "exc", "hang"])
 def test_fault_ends_the_job_and_hpc_run_names_the_rank(kind: str, how: str) -> None:
     """A 2-rank job with ``HPC_FAULT=1:20:<kind>`` ends non-zero and hpc run blames rank 1

@@ -121,3 +121,25 @@ def test_a_trainer_whose_devices_disagree_with_the_launch_is_refused(tmp_path: P
         "devices), but the hpc-run launch started 2 ranks on 1 node (2 per node, this is "
         "rank ") == 2, proc.stdout
     assert "HINT: pass **env.trainer_kwargs() (devices=2, num_nodes=1)" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_accelerate_under_real_mpirun_takes_hpcs_layout(tmp_path: Path) -> None:
+    """``mpirun -np 2`` (Open MPI), no ``accelerate launch``: Accelerate sees 2 processes
+    with hpc's ranks and both end with the same weights and run id."""
+    from tests.helpers.mpi import launcher
+    from tests.helpers.trackers import require_package
+
+    require_package("accelerate")
+    prefix, env = launcher("openmpi", tmp_path, 2, with_mpi4py=False)
+    proc = subprocess.run([*prefix, sys.executable, str(EXAMPLES / "train_accelerate.py"),
+                           "--out", str(tmp_path / "acc"), "--epochs", "1"],
+                          capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"rank (\d): accelerate 2 processes, index (\d) local (\d) "
+                      r"\(DistributedType.MULTI_CPU\); done step 32 digest (\w+) run ([\w-]+)",
+                      proc.stdout)
+    assert sorted((r, i, loc) for r, i, loc, _, _ in rows) == [("0", "0", "0"), ("1", "1", "1")]
+    assert len({(d, rid) for *_, d, rid in rows}) == 1, rows
+    assert "initialised openmpi rank 0/2" in proc.stderr, proc.stderr
