@@ -124,8 +124,16 @@ class WandbSink:
                           dir=str(directory), config=config)
         self.run = self._wandb.init(**self._init)
         self._given: deque[Point] = deque(maxlen=self.RESEND)  # to this service
+        self._logged = 0  # of the batch being sent
         self.mark = directory / "wandb" / f"hpc-step-{run_id}"
         self.held_through = int(self.mark.read_text()) if self.mark.is_file() else None
+
+    def _recover(self, error: BaseException, unsent: Sequence[Point]) -> None:
+        """The service died: reopen the run, then send what it was given and ``unsent``."""
+        self._reopen(error)
+        lost = [*self._given, *unsent]
+        self._given.clear()
+        self._log(lost)
 
     def _reopen(self, error: BaseException) -> None:
         logger.warning("wandb's service is gone (%s: %s; a preemption's SIGTERM reaches "
@@ -142,10 +150,7 @@ class WandbSink:
         try:
             self._log(points)
         except OSError as e:  # ConnectionResetError, BrokenPipeError: the service died
-            self._reopen(e)
-            lost = [*self._given, *points[self._logged:]]  # the batch's first part is in
-            self._given.clear()
-            self._log(lost)
+            self._recover(e, points[self._logged:])  # the batch's first part is given
         if points:
             self.mark.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.mark.with_name(f".{self.mark.name}.tmp-{os.getpid()}")
@@ -159,15 +164,16 @@ class WandbSink:
             self._logged += 1
 
     def close(self, status: str) -> None:
+        """Finish the run, then end wandb's service: ``finish`` returns before the
+        service has written the run's last records (seen under load), and an attempt
+        that exits for a requeue must leave them on disk."""
         code = 0 if status in ("completed", "stopped") else 1
         try:
             self.run.finish(exit_code=code)
         except OSError as e:  # the service died since the last send: its points with it
-            self._reopen(e)
-            lost = list(self._given)
-            self._given.clear()
-            self._log(lost)
+            self._recover(e, [])
             self.run.finish(exit_code=code)
+        self._wandb.teardown()
 
 
 class MlflowSink:
