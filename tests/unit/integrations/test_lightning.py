@@ -54,3 +54,23 @@ def test_uneven_ranks_per_node_are_refused() -> None:
                     node_rank=1, num_nodes=2)  # 2 ranks on node 0, this one alone on node 1
     with pytest.raises(LaunchEnvironmentError, match="not the same number on every node"):
         HPCEnvironment(info=info).validate_settings(1, 2)
+
+
+def test_without_lightning_the_import_names_the_extra() -> None:
+    """A missing package (simulated: its import fails) gives the extra to install, and
+    ``import hpc`` / ``hpc.integrations`` import no framework."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import hpc, hpc.integrations\n"
+            "assert not any(m in sys.modules for m in ('lightning', 'accelerate')), 'imported'\n"
+            "sys.modules['lightning'] = None  # import lightning now raises ImportError\n"
+            "try:\n"
+            "    import hpc.integrations.lightning\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HINT: pip install 'torch-hpc[lightning]'" in out.stdout, out.stdout
