@@ -86,8 +86,8 @@ def _build(p: argparse.ArgumentParser) -> None:
       "and the smallest beside two random ones, the positions rotating over ranks and steps) "
       "(default %(default)s)")
     a("--distill", action="store_true",
-      help="in-place distillation: ranks that do not train the largest sub-network learn "
-      "from its soft labels on their own batch")
+      help="in-place distillation (with --sampling sandwich): ranks that do not train the "
+      "largest sub-network learn from its soft labels on their own batch")
     a("--elastic", action="store_true",
       help="allow resuming with a different number of ranks (not exact)")
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")

@@ -65,7 +65,8 @@ class PretrainConfig:
             random draw) or ``sandwich`` (the largest and the smallest beside random
             ones, four positions rotating over the ranks and steps); see :mod:`hpc.pretrain.sampling`.
         distill: In-place distillation: ranks that do not train the largest sub-network
-            learn from its soft labels on their own batch.
+            learn from its soft labels on their own batch. Needs ``sampling="sandwich"``
+            (the teacher must be trained every step); refused otherwise.
         distill_temperature: Softmax temperature of the distillation.
         distill_weight: Share of the distillation loss (1 = teacher only, 0 = labels only).
         max_steps: Stop (with a checkpoint) once this global step is reached, even
@@ -146,6 +147,13 @@ class PretrainConfig:
             problems.append(f"distill_temperature={self.distill_temperature} (must be > 0)")
         if not 0.0 <= self.distill_weight <= 1.0:
             problems.append(f"distill_weight={self.distill_weight} (must be in [0, 1])")
+        if self.distill and self.sampling != "sandwich":
+            # Under uniform sampling the largest sub-network (the teacher) is almost never
+            # trained: every rank would copy an untrained teacher (a helper's run: val
+            # accuracy at chance for all 10 epochs).
+            problems.append(f"distill=True with sampling={self.sampling!r} (distillation "
+                            "needs sampling='sandwich': only then is the teacher, the "
+                            "largest sub-network, trained at every step)")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps={self.max_steps} (must be >= 1 or None)")
         if self.resume != "auto" and self.resume != "never" and not Path(self.resume).exists():
@@ -153,7 +161,8 @@ class PretrainConfig:
         if problems:
             raise ValueError(
                 "invalid pretrain configuration: " + "; ".join(problems) + ".\n"
-                "HINT: see `hpc pretrain --help` for the valid ranges.")
+                "HINT: change each value named above as its parenthesis says (for "
+                "--distill: add --sampling sandwich).")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (stored in ``config.json`` and in checkpoints)."""

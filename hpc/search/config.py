@@ -21,7 +21,7 @@ SEARCH_EXACTNESS_FIELDS = ("run", "budget", "max_params", "max_latency_ms", "see
 def _problems_to_error(what: str, problems: list[str], command: str) -> None:
     if problems:
         raise ValueError(f"invalid {what} configuration: " + "; ".join(problems) + ".\n"
-                         f"HINT: see `hpc {command} --help` for the valid ranges.")
+                         "HINT: change each value named above as its parenthesis says.")
 
 
 @dataclasses.dataclass

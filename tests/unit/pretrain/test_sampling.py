@@ -98,3 +98,14 @@ def test_a_space_without_largest_is_refused_with_a_hint_and_bad_values_too() -> 
                 dict(distill_weight=1.5)):
         with pytest.raises(ValueError, match="invalid pretrain configuration"):
             PretrainConfig(**bad).validate()
+
+
+def test_distillation_without_the_sandwich_rule_is_refused() -> None:
+    """A helper's finding: --distill under uniform sampling trained nothing (the teacher,
+    the largest, is almost never trained); it is refused, naming the fix."""
+    from hpc.pretrain.config import PretrainConfig
+
+    with pytest.raises(ValueError, match=r"(?s)distill=True with sampling='uniform'.*"
+                       r"HINT: .*add --sampling sandwich"):
+        PretrainConfig(distill=True, out=None).validate()
+    PretrainConfig(distill=True, sampling="sandwich", out=None).validate()
