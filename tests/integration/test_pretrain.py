@@ -104,7 +104,9 @@ def test_console_lines_once_per_node_and_files_from_master(straight: tuple[Path,
                 if line.startswith("[rank 1] ") and " INFO " in line]
     assert sorted(p.name for p in out.iterdir()) == [
         "checkpoints", "config.json", "metrics.csv", "metrics.png", "pretrain.log",
-        "result.json"]
+        "result.json", "run_id", "tensorboard"]
+    rid = (out / "run_id").read_text().strip()
+    assert [p.name for p in (out / "tensorboard").iterdir()] == [rid]  # the master's only
     log = (out / "pretrain.log").read_text().splitlines()
     assert sum(bool(SUMMARY.search(line)) for line in log) == 2
     assert all("[rank 0/2 " in line for line in log if line[:2].isdigit())
