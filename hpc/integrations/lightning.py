@@ -126,8 +126,7 @@ class HPCEnvironment(ClusterEnvironment):
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         info = self._info
-        if info.world_size % max(info.num_nodes, 1) or \
-                info.local_world_size * info.num_nodes != info.world_size:
+        if info.local_world_size * info.num_nodes != info.world_size:
             raise LaunchEnvironmentError(
                 f"the {info.launcher} launch has {info.world_size} ranks on {info.num_nodes} "
                 f"nodes, not the same number on every node (this node: "
@@ -141,8 +140,7 @@ class HPCEnvironment(ClusterEnvironment):
     def trainer_kwargs(self) -> dict[str, Any]:
         """``accelerator``, ``devices``, ``num_nodes``, ``strategy`` and ``plugins`` for
         ``L.Trainer(...)`` or ``L.Fabric(...)`` that match the launch."""
-        device = hpc.device()
-        accelerator = "gpu" if getattr(device, "type", "cpu") == "cuda" else "cpu"
+        accelerator = "gpu" if hpc.device().type == "cuda" else "cpu"
         info = self._info
         return {"accelerator": accelerator, "devices": info.local_world_size,
                 "num_nodes": info.num_nodes,

@@ -264,7 +264,6 @@ def _placeable(bad: Sequence[str], before: Sequence[str], partition: str, need: 
     return out, kept
 
 
-
 def _decide(step: int, checkpoint: Optional[str], signame: str,
             before_requeue: Optional[Callable[[], None]],
             env: Mapping[str, str]) -> Outcome:

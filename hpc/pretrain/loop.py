@@ -391,8 +391,7 @@ class _Run:
         self.last_ckpt = resume_mod.save(
             self.cfg, self.run_dir, self.space, self.optimizer, self.scheduler,
             step=self.step, epoch=next_epoch, batch=next_batch,
-            val_acc=self.val_acc, blocking=blocking, sharded=self.cfg.ckpt_sharded,
-            run_id=self.run_id)
+            val_acc=self.val_acc, blocking=blocking, sharded=self.cfg.ckpt_sharded)
         if self.is_master and epoch_end and self.run_dir is not None:
             plot_metrics(self.run_dir / "metrics.csv", self.run_dir / "metrics.png")
 

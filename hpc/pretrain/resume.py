@@ -73,23 +73,23 @@ def set_determinism(enabled: bool) -> None:
 def save(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
          optimizer: torch.optim.Optimizer, scheduler: Any, *, step: int, epoch: int,
          batch: int, val_acc: list[float], blocking: bool = True,
-         sharded: bool = False, run_id: Optional[str] = None) -> Optional[str]:
+         sharded: bool = False) -> Optional[str]:
     """Checkpoint the state after ``step`` (collective: gathers every rank's RNG).
 
     ``epoch``/``batch`` are the position of the *next* step. Only the global master
     writes; it keeps the newest ``cfg.keep`` checkpoints. Returns the path (on every
     rank), or ``None`` when there is no run directory. ``blocking=False``: written by the
     writer process (:mod:`hpc.checkpoint.asyncsave`) while training goes on; ``sharded``:
-    every rank writes its share (:mod:`hpc.checkpoint.sharded`), synchronously.
-    ``run_id`` (:func:`hpc.run_id`) is stored for a resume to adopt.
+    every rank writes its share (:mod:`hpc.checkpoint.sharded`), synchronously. The
+    run's :func:`hpc.run_id`, settled by then, goes in too (``save_checkpoint`` stores
+    it) for a resume to adopt.
     """
     if run_dir is None:
         return None
     path = save_checkpoint(run_dir / "checkpoints", step, model=model, optimizer=optimizer,
                            scheduler=scheduler, epoch=epoch, batch=batch, keep=cfg.keep,
                            extra={"seed": cfg.seed, "config": cfg.to_dict(),
-                                  "val_acc": [float(a) for a in val_acc],
-                                  "run_id": run_id},
+                                  "val_acc": [float(a) for a in val_acc]},
                            blocking=blocking or sharded, sharded=sharded)
     return str(path)
 

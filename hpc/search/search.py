@@ -103,8 +103,7 @@ class _Search:
         self.latency: dict[Arch, float] = {}
         self.params: dict[Arch, int] = {}
         self.generation, self.wall_s = 0, 0.0
-        self.run_id: Optional[str] = None
-        self.trackers: Optional[Trackers] = None
+        self.trackers: Optional[Trackers] = None  # with the run's id, on every rank
 
     # -- constraints -------------------------------------------------------------
     def params_of(self, arch: Arch) -> int:
@@ -203,7 +202,8 @@ class _Search:
                 "pretrain_checkpoint": self.run.checkpoint, "records": self.records,
                 "infeasible": sorted(list(a) for a in self.infeasible),
                 "latency": [[list(a), ms] for a, ms in sorted(self.latency.items())],
-                "wall_s": self.wall_s, "mode": self.mode, "run_id": self.run_id}
+                "wall_s": self.wall_s, "mode": self.mode,
+                "run_id": self.trackers.run_id if self.trackers else None}
 
     def load_state(self, payload: dict[str, Any]) -> None:
         self.records = list(payload["records"])
@@ -371,7 +371,6 @@ def search(config: Optional[SearchConfig] = None, space: Optional[nn.Module] = N
     ctx.trackers = for_stage(
         cfg.out_dir, cfg, resume_step=ctx.generation if payload is not None else None,
         known_id=payload.get("run_id") if payload is not None else None, config=cfg.to_dict())
-    ctx.run_id = ctx.trackers.run_id
     logger.info("searching %s (step %d): %d sub-networks, %s, budget %d, %d ranks",
                 run.checkpoint, run.step, ctx.size, ctx.mode, cfg.budget, ctx.world)
     status = "completed" if payload is not None and payload["done"] else \

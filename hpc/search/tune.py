@@ -213,8 +213,7 @@ class _Tuner:
             self.metrics.flush()
         self.last_ckpt = resume_mod.save(self.cfg, self.out, self.net, self.optimizer,
                                          self.scheduler, step=self.step, epoch=epoch,
-                                         batch=batch, val_acc=self.val,
-                                         run_id=self.run_id)
+                                         batch=batch, val_acc=self.val)
 
     def epoch(self, epoch: int, start: int) -> bool:
         """Train one epoch from batch ``start``; True when asked to stop."""

@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 from hpc.errors import HPCError
 
-__all__ = ["run_id", "establish", "current", "FILE", "new_id"]
+__all__ = ["run_id", "establish", "current", "FILE", "new_id", "write_text_atomic"]
 
 #: The file in the run directory that holds the id.
 FILE = "run_id"
@@ -58,10 +58,12 @@ def _read(path: Path) -> Optional[str]:
     return text
 
 
-def _write(path: Path, value: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` in ``path`` through a temporary file and a rename (the run id here, the
+    W&B sink's step mark): a reader sees the old file or the new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(value + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -77,7 +79,7 @@ def _master_id(directory: Path, new: bool, known: Optional[str]) -> str:
         value = None if new else _read(path)
         value = value or new_id()
     if _read(path) != value:
-        _write(path, value)
+        write_text_atomic(path, value + "\n")
     return value
 
 

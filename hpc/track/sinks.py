@@ -22,8 +22,9 @@ Each package is imported only when its sink opens; a missing one raises
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -31,9 +32,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpc.errors import HPCError
+from hpc.track.runid import write_text_atomic
 
 __all__ = ["TensorBoardSink", "WandbSink", "MlflowSink", "TrackerUnavailable", "Point",
-           "tensorboard_installed", "require"]
+           "installed", "require"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,34 +47,31 @@ class TrackerUnavailable(HPCError):
     """A tracker was asked for but its package is not installed."""
 
 
-def _unavailable(module: str, extra: str, flag: str, cause: object) -> TrackerUnavailable:
+# Each tracker's name is its package, its extra (``torch-hpc[name]``) and its flag
+# (``--name``): the rule lives here once.
+def _unavailable(tracker: str, cause: object) -> TrackerUnavailable:
     return TrackerUnavailable(
-        f"{flag} needs the {module!r} package, which is not installed ({cause}).\n"
-        f"HINT: pip install 'torch-hpc[{extra}]', or drop {flag}.")
+        f"--{tracker} needs the {tracker!r} package, which is not installed ({cause}).\n"
+        f"HINT: pip install 'torch-hpc[{tracker}]', or drop --{tracker}.")
 
 
-def require(module: str, extra: str, flag: str) -> None:
-    """Raise :class:`TrackerUnavailable` unless ``module`` is installed (not imported)."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise _unavailable(module, extra, flag, f"no module named {module!r}")
+def installed(tracker: str) -> bool:
+    """Whether ``tracker``'s package is importable (found, not imported)."""
+    return importlib.util.find_spec(tracker) is not None
 
 
-def _need(module: str, extra: str, flag: str) -> Any:
-    import importlib
+def require(tracker: str) -> None:
+    """Raise :class:`TrackerUnavailable` unless ``tracker``'s package is installed."""
+    if not installed(tracker):
+        raise _unavailable(tracker, f"no module named {tracker!r}")
 
+
+def _need(tracker: str, module: Optional[str] = None) -> Any:
+    """Import ``module`` (default: the tracker's package) when its sink opens."""
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(module or tracker)
     except ImportError as e:
-        raise _unavailable(module.split(".")[0], extra, flag, e) from e
-
-
-def tensorboard_installed() -> bool:
-    """Whether TensorBoard's package is importable (``--tensorboard`` defaults to it)."""
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboard") is not None
+        raise _unavailable(tracker, e) from e
 
 
 class TensorBoardSink:
@@ -81,7 +80,7 @@ class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, directory: Path, run_id: str, resume_step: Optional[int]) -> None:
-        _need("tensorboard", "tensorboard", "--tensorboard")
+        _need("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(directory) / run_id
@@ -118,13 +117,12 @@ class WandbSink:
 
     def __init__(self, project: str, directory: Path, run_id: str,
                  config: dict[str, Any]) -> None:
-        self._wandb = _need("wandb", "wandb", "--wandb")
+        self._wandb = _need("wandb")
         directory.mkdir(parents=True, exist_ok=True)
         self._init = dict(project=project, id=run_id, name=run_id, resume="allow",
                           dir=str(directory), config=config)
         self.run = self._wandb.init(**self._init)
         self._given: deque[Point] = deque(maxlen=self.RESEND)  # to this service
-        self._logged = 0  # of the batch being sent
         self.mark = directory / "wandb" / f"hpc-step-{run_id}"
         self.held_through = int(self.mark.read_text()) if self.mark.is_file() else None
 
@@ -133,7 +131,8 @@ class WandbSink:
         self._reopen(error)
         lost = [*self._given, *unsent]
         self._given.clear()
-        self._log(lost)
+        for point in lost:
+            self._give(point)
 
     def _reopen(self, error: BaseException) -> None:
         logger.warning("wandb's service is gone (%s: %s; a preemption's SIGTERM reaches "
@@ -145,23 +144,20 @@ class WandbSink:
             pass
         self.run = self._wandb.init(**self._init)
 
-    def send(self, points: Sequence[Point]) -> None:
-        self._logged = 0
-        try:
-            self._log(points)
-        except OSError as e:  # ConnectionResetError, BrokenPipeError: the service died
-            self._recover(e, points[self._logged:])  # the batch's first part is given
-        if points:
-            self.mark.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.mark.with_name(f".{self.mark.name}.tmp-{os.getpid()}")
-            tmp.write_text(f"{points[-1][0]}\n")
-            os.replace(tmp, self.mark)
+    def _give(self, point: Point) -> None:
+        """Hand one point to the service, and keep it for a resend."""
+        self.run.log(point[1], step=point[0])
+        self._given.append(point)
 
-    def _log(self, points: Sequence[Point]) -> None:
-        for step, values in points:
-            self.run.log(values, step=step)
-            self._given.append((step, values))
-            self._logged += 1
+    def send(self, points: Sequence[Point]) -> None:
+        for i, point in enumerate(points):
+            try:
+                self._give(point)
+            except OSError as e:  # ConnectionResetError, BrokenPipeError: the service died
+                self._recover(e, points[i:])
+                break
+        if points:
+            write_text_atomic(self.mark, f"{points[-1][0]}\n")
 
     def close(self, status: str) -> None:
         """Finish the run, then end wandb's service: ``finish`` returns before the
@@ -185,7 +181,7 @@ class MlflowSink:
     TAG = "hpc.run_id"
 
     def __init__(self, experiment: str, run_id: str, params: dict[str, Any]) -> None:
-        tracking = _need("mlflow.tracking", "mlflow", "--mlflow")
+        tracking = _need("mlflow", "mlflow.tracking")
         self.client = client = tracking.MlflowClient()
         exp = client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment)

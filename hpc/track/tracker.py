@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from hpc.track.runid import establish
-from hpc.track.sinks import MlflowSink, Point, TensorBoardSink, WandbSink, require, \
-    tensorboard_installed
+from hpc.track.sinks import MlflowSink, Point, TensorBoardSink, WandbSink, installed, require
 
 __all__ = ["Trackers", "open_trackers", "for_stage", "points_from_rows", "check_available",
            "wanted"]
@@ -50,7 +49,7 @@ def wanted(tensorboard: Optional[bool], wandb: Optional[str],
     """The sinks a stage's settings ask for: TensorBoard when ``tensorboard`` is True,
     or ``None`` (auto) and the package is installed; W&B and MLflow when named."""
     names = []
-    if tensorboard or (tensorboard is None and tensorboard_installed()):
+    if tensorboard or (tensorboard is None and installed("tensorboard")):
         names.append("tensorboard")
     if wandb:
         names.append("wandb")
@@ -64,12 +63,10 @@ def check_available(tensorboard: Optional[bool], wandb: Optional[str],
     """Raise :class:`~hpc.track.sinks.TrackerUnavailable` on every rank when a tracker
     that was asked for is not installed (before any rank starts the run; nothing is
     imported)."""
-    if tensorboard:
-        require("tensorboard", "tensorboard", "--tensorboard")
-    if wandb:
-        require("wandb", "wandb", "--wandb")
-    if mlflow:
-        require("mlflow", "mlflow", "--mlflow")
+    for tracker, asked in (("tensorboard", tensorboard), ("wandb", wandb),
+                           ("mlflow", mlflow)):
+        if asked:
+            require(tracker)
 
 
 class Trackers:
