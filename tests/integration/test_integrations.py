@@ -129,13 +129,14 @@ def test_accelerate_under_real_mpirun_takes_hpcs_layout(tmp_path: Path) -> None:
     """``mpirun -np 2`` (Open MPI), no ``accelerate launch``: Accelerate sees 2 processes
     with hpc's ranks and both end with the same weights and run id."""
     from tests.helpers.mpi import launcher
+    from tests.helpers.processes import run_group
     from tests.helpers.trackers import require_package
 
     require_package("accelerate")
     prefix, env = launcher("openmpi", tmp_path, 2, with_mpi4py=False)
-    proc = subprocess.run([*prefix, sys.executable, str(EXAMPLES / "train_accelerate.py"),
-                           "--out", str(tmp_path / "acc"), "--epochs", "1"],
-                          capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    proc = run_group([*prefix, sys.executable, str(EXAMPLES / "train_accelerate.py"),
+                      "--out", str(tmp_path / "acc"), "--epochs", "1"],
+                     timeout=150, env=env, cwd=ROOT)  # a timeout kills mpirun's whole group
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"rank (\d): accelerate 2 processes, index (\d) local (\d) "
                       r"\(DistributedType.MULTI_CPU\); done step 32 digest (\w+) run ([\w-]+)",
