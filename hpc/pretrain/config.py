@@ -17,7 +17,8 @@ SAMPLINGS = ("uniform", "sandwich")
 #: Fields that must not change between a run and its resume for the resume to be exact.
 EXACTNESS_FIELDS = ("seed", "epochs", "batch_size", "lr", "optimizer", "momentum",
                     "weight_decay", "label_smoothing", "data", "val_fraction", "width",
-                    "sampling", "distill", "distill_temperature", "distill_weight")
+                    "sampling", "distill", "distill_temperature", "distill_weight",
+                    "virtual_ranks")
 
 
 @dataclasses.dataclass
@@ -26,7 +27,8 @@ class PretrainConfig:
 
     Attributes:
         epochs: Passes over the training split.
-        batch_size: Samples per rank per step (the global batch is ``batch_size * world``).
+        batch_size: Samples per rank per step (the global batch is ``batch_size * world``,
+            or ``batch_size * virtual_ranks``).
         lr: Peak learning rate; cosine-annealed to 0 over all steps, per step.
         optimizer: ``sgd`` (Nesterov momentum) or ``adamw``.
         momentum: SGD momentum.
@@ -69,6 +71,12 @@ class PretrainConfig:
             (the teacher must be trained every step); refused otherwise.
         distill_temperature: Softmax temperature of the distillation.
         distill_weight: Share of the distillation loss (1 = teacher only, 0 = labels only).
+        virtual_ranks: Train as this many ranks would, whatever the number of processes:
+            each step has ``virtual_ranks`` sub-networks on ``virtual_ranks`` batches of
+            ``batch_size``, each process running ``virtual_ranks / world`` of them one after
+            the other and summing their gradients before the sync. ``None``: one per process
+            (the world size). Must be a multiple of the world size. The same value on 1 or
+            2 processes gives bitwise the same run (see :mod:`hpc.pretrain.sampling`).
         max_steps: Stop (with a checkpoint) once this global step is reached, even
             mid-epoch; ``None`` = run all epochs. The schedule still spans ``epochs``.
         progress: Show a tqdm bar on local masters.
@@ -116,6 +124,7 @@ class PretrainConfig:
     distill: bool = False
     distill_temperature: float = 1.0
     distill_weight: float = 1.0
+    virtual_ranks: Optional[int] = None
     max_steps: Optional[int] = None
     progress: bool = True
     overlap: bool = False
@@ -154,6 +163,8 @@ class PretrainConfig:
             problems.append(f"distill=True with sampling={self.sampling!r} (distillation "
                             "needs sampling='sandwich': only then is the teacher, the "
                             "largest sub-network, trained at every step)")
+        if self.virtual_ranks is not None and self.virtual_ranks < 1:
+            problems.append(f"virtual_ranks={self.virtual_ranks} (must be >= 1 or None)")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps={self.max_steps} (must be >= 1 or None)")
         if self.resume != "auto" and self.resume != "never" and not Path(self.resume).exists():

@@ -4,6 +4,11 @@ Per step, on every rank: draw this rank's architecture from ``(seed, rank, step)
 forward and backward it on this rank's batch, :func:`hpc.sync_gradients`, optimizer and
 LR-scheduler step, then one small all_reduce (:class:`~hpc.pretrain.reduce.StepReducer`)
 that carries the step's metrics, the stop-request flag and the BatchNorm statistics.
+
+With ``virtual_ranks`` the schedule (architectures, batches, sandwich roles) is that of
+``virtual_ranks`` ranks, and each process plays ``virtual_ranks / world`` consecutive ones
+in turn: each from the same BatchNorm statistics, their gradients and statistics summed
+locally, then scaled and synced as one rank's.
 """
 
 from __future__ import annotations
@@ -94,6 +99,18 @@ def _cosine(total: int) -> Callable[[int], float]:
     return lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total) / total))
 
 
+def _virtual_ranks(cfg: PretrainConfig, world: int) -> int:
+    """The ranks the schedule is made for: ``cfg.virtual_ranks``, a multiple of ``world``."""
+    ranks = cfg.virtual_ranks or world
+    if ranks % world:
+        raise ValueError(
+            f"virtual_ranks={ranks} is not a multiple of the {world} processes of this "
+            "launch, so they cannot share the virtual ranks evenly.\n"
+            f"HINT: launch {ranks} processes or a divisor of it, or pass "
+            f"--virtual-ranks {world * max(1, round(ranks / world))}.")
+    return ranks
+
+
 def _optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -178,12 +195,16 @@ class _Run:
         self.space = space
         self.grad_sync = hpc.GradSync(space)
         self.n_train = n_train = int(data.x_train.shape[0])
-        self.spe = steps_per_epoch(n_train, self.world, cfg.batch_size)
+        self.ranks = ranks = _virtual_ranks(cfg, self.world)
+        per = ranks // self.world
+        #: The virtual ranks this process plays, in order (its own rank without them).
+        self.mine = range(self.rank * per, (self.rank + 1) * per)
+        self.spe = steps_per_epoch(n_train, ranks, cfg.batch_size)
         if self.spe < 1:
             raise ValueError(
-                f"batch_size={cfg.batch_size} x {self.world} ranks exceeds the {n_train} "
+                f"batch_size={cfg.batch_size} x {ranks} ranks exceeds the {n_train} "
                 "training samples: an epoch would have no step.\n"
-                f"HINT: use --batch-size {max(1, n_train // self.world)} or fewer.")
+                f"HINT: use --batch-size {max(1, n_train // ranks)} or fewer.")
         self.total_steps = cfg.epochs * self.spe
         self.optimizer = _optimizer(cfg, space)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -220,7 +241,8 @@ class _Run:
         if not self.is_master:
             return
         write_json(run_dir / "config.json", {
-            **self.cfg.to_dict(), "world_size": self.world, "steps_per_epoch": self.spe,
+            **self.cfg.to_dict(), "world_size": self.world, "ranks": self.ranks,
+            "steps_per_epoch": self.spe,
             "total_steps": self.total_steps, "data_name": data.name, "n_train": self.n_train,
             "n_val": int(data.x_val.shape[0]), "space": type(self.space).__qualname__,
             "resumed_from": pos.path, "run_id": self.run_id})
@@ -243,7 +265,7 @@ class _Run:
 
     def train(self, stop_requested: Optional[Callable[[], bool]]) -> None:
         """The epoch loop, from the resumed position to the last epoch or a stop."""
-        self.reducer = StepReducer(self.space, self.dev)
+        self.reducer = StepReducer(self.space, self.dev, ranks=self.ranks)
         self.health = StepHealth(self.rank, self.world, model=self.space,
                                  optimizer=self.optimizer, run_dir=self.run_dir)
         self.show = self.cfg.progress and self.info.local_rank == 0
@@ -256,15 +278,16 @@ class _Run:
     def _epoch(self, epoch: int, stop_requested: Optional[Callable[[], bool]]) -> bool:
         """Run the rest of ``epoch``; True when the run stops here (checkpoint written)."""
         cfg, spe = self.cfg, self.spe
-        batches = epoch_batches(self.n_train, self.world, self.rank, cfg.seed, epoch,
-                                cfg.batch_size, start=self.batch_start)
-        done_before, self.batch_start = spe - len(batches), 0
+        batches = [epoch_batches(self.n_train, self.ranks, v, cfg.seed, epoch,
+                                 cfg.batch_size, start=self.batch_start) for v in self.mine]
+        done_before, self.batch_start = spe - len(batches[0]), 0
         bar = _progress(self.show, spe, done_before, f"epoch {epoch + 1}/{cfg.epochs}")
         loss_sum, loss_n, stop = 0.0, 0, False
-        # One host-to-device copy per epoch, not one per step.
-        order = torch.stack(batches).to(self.dev) if batches else batches
-        for i, idx in enumerate(order):
-            stats, lr = self._step(idx, stop_requested)
+        # One host-to-device copy per epoch, not one per step: (steps, virtual, batch).
+        order = (torch.stack([torch.stack(b) for b in batches], 1).to(self.dev)
+                 if batches[0] else [])
+        for i, idxs in enumerate(order):
+            stats, lr = self._step(idxs, stop_requested)
             loss_sum, loss_n = loss_sum + stats.loss, loss_n + 1
             self._record(epoch, stats, lr, bar)
             epoch_end = done_before + i + 1 == spe
@@ -290,29 +313,30 @@ class _Run:
                         self.last_ckpt)
         return stop
 
-    def _users(self, arch: Any) -> Optional[list[list[nn.Parameter]]]:
+    def _users(self, archs: list[Any]) -> Optional[list[list[nn.Parameter]]]:
         """Every rank's used parameters this step, when the space can tell
         (``used_parameters``): archs are a pure function of (seed, rank, step), so the
         sync skips its agreement round. None otherwise (the sync exchanges them)."""
         used = getattr(self.space, "used_parameters", None)
         if used is None or self.world < 2:
             return None
-        return [used(arch if r == self.rank else self._arch(r)) for r in range(self.world)]
+        per, rows = len(self.mine), []
+        for r in range(self.world):
+            theirs = archs if r == self.rank else [self._arch(v)
+                                                  for v in range(r * per, (r + 1) * per)]
+            rows.append(list({id(p): p for a in theirs for p in used(a)}.values()))
+        return rows
 
     def _arch(self, rank: int) -> Any:
-        """The sub-network ``rank`` trains at this step (:mod:`hpc.pretrain.sampling`)."""
+        """The sub-network (virtual) ``rank`` trains at this step (:mod:`hpc.pretrain.sampling`)."""
         return sampling.arch_for(self.space, self.cfg.sampling, self.cfg.seed, rank,
-                                 self.world, self.step)
+                                 self.ranks, self.step)
 
-    def _step(self, idx: torch.Tensor, stop_requested: Optional[Callable[[], bool]]
-              ) -> tuple[StepStats, float]:
-        """One optimizer step on batch ``idx``: the step's reduced stats and its LR."""
-        cfg, space, optimizer = self.cfg, self.space, self.optimizer
-        t0 = time.perf_counter()
-        self.step += 1
-        arch = self._arch(self.rank)
+    def _loss(self, arch: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Forward ``arch`` on batch ``idx`` (after the teacher under ``distill``): the
+        loss, the number right and the batch size."""
+        cfg, space = self.cfg, self.space
         xb, yb = self.data.x_train[idx], self.data.y_train[idx]
-        optimizer.zero_grad(set_to_none=True)
         teacher = None
         if cfg.distill and arch != (largest := space.largest()):
             with torch.no_grad():
@@ -324,11 +348,58 @@ class _Run:
             loss = sampling.distill_loss(out, teacher, yb, temperature=cfg.distill_temperature,
                                          weight=cfg.distill_weight,
                                          label_smoothing=cfg.label_smoothing)
-        if cfg.overlap:
-            self.grad_sync.backward(loss, users=self._users(arch))
-        else:
-            loss.backward()
-            self.grad_sync.sync(self._users(arch))
+        return loss, (out.argmax(1) == yb).sum(), yb.numel()
+
+    def _learn(self, archs: list[Any], idxs: torch.Tensor, users: Any
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Forward, backward and gradient sync of this process's (virtual) ranks: the
+        summed ``loss x batch``, number right and batch size."""
+        if len(archs) == 1:
+            loss, right, n = self._loss(archs[0], idxs[0])
+            if self.cfg.overlap:
+                self.grad_sync.backward(loss, users=users)
+            else:
+                loss.backward()
+                self.grad_sync.sync(users)
+            return loss.detach() * n, right, n
+        # Virtual ranks: each from the step's BatchNorm statistics, as on its own process;
+        # the buffers end as the sum of theirs (the reducer divides by ``ranks``).
+        bufs = self.reducer.buffers
+        start, summed = [b.clone() for b in bufs], None
+        loss_sum, right_sum, count = None, None, 0
+        for j, (arch, idx) in enumerate(zip(archs, idxs)):
+            if j:
+                for b, s0 in zip(bufs, start):
+                    b.copy_(s0)
+            loss, right, n = self._loss(arch, idx)
+            loss.backward()  # gradients accumulate in order: g_0 + g_1 + ...
+            if summed is None:
+                summed = [b.clone() for b in bufs]
+                loss_sum, right_sum = loss.detach() * n, right
+            else:
+                for acc, b in zip(summed, bufs):
+                    acc.add_(b)
+                loss_sum, right_sum = loss_sum + loss.detach() * n, right_sum + right
+            count += n
+        for b, acc in zip(bufs, summed or []):
+            b.copy_(acc)
+        scale = 1.0 / len(archs)
+        for p in self.space.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        self.grad_sync.sync(users)
+        return loss_sum, right_sum, count
+
+    def _step(self, idxs: torch.Tensor, stop_requested: Optional[Callable[[], bool]]
+              ) -> tuple[StepStats, float]:
+        """One optimizer step on this process's batches ``idxs`` (one per rank it plays):
+        the step's reduced stats and its LR."""
+        optimizer = self.optimizer
+        t0 = time.perf_counter()
+        self.step += 1
+        archs = [self._arch(v) for v in self.mine]
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, right, count = self._learn(archs, idxs, self._users(archs))
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -336,8 +407,8 @@ class _Run:
         health = self.health
         health.boundary(self.step)
         due = health.due(self.step)
-        stats = self.reducer(loss.detach() * yb.numel(), (out.argmax(1) == yb).sum(),
-                             yb.numel(), local_stop, health.row() if due else None)
+        stats = self.reducer(loss_sum, right, count, local_stop,
+                             health.row() if due else None)
         if due and stats.rows is not None:
             health.receive(self.step, stats.rows)
         self.train_time += time.perf_counter() - t0
@@ -398,7 +469,7 @@ class _Run:
     @property
     def samples_per_s(self) -> float:
         """Global training samples per second over this process's training steps."""
-        return self.run_steps * self.world * self.cfg.batch_size / max(self.train_time, 1e-9)
+        return self.run_steps * self.ranks * self.cfg.batch_size / max(self.train_time, 1e-9)
 
     def finish(self) -> PretrainResult:
         """Finish: flush the metrics, write ``result.json`` (master), log the outcome."""

@@ -50,9 +50,13 @@ class StepReducer:
             ``nn.modules.batchnorm._BatchNorm``) are averaged across ranks. Other
             buffers are left alone.
         device: Device of the model (the flat buffer lives there).
+        ranks: How many ranks' statistics the buffers hold summed after the all_reduce:
+            the world size, or :attr:`PretrainConfig.virtual_ranks` when each process
+            hands in the sum of its virtual ranks' statistics.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, device: torch.device,
+                 ranks: Optional[int] = None) -> None:
         floats: list[Tensor] = []
         ints: list[Tensor] = []
         for m in module.modules():
@@ -66,6 +70,7 @@ class StepReducer:
         self._sizes = [b.numel() for b in self.buffers]
         self.device = device
         self.world = world()[1]
+        self.ranks = ranks or self.world
 
     @torch.no_grad()
     def __call__(self, loss_sum: Tensor, correct: Tensor, count: int,
@@ -73,6 +78,8 @@ class StepReducer:
         """The step's stats; ``row`` (the straggler detector's, on its window steps)
         travels in the same all_reduce, each rank's in its own slot: a gather."""
         if self.world == 1:  # one device-to-host copy, nothing else
+            if self.ranks > 1 and self.buffers:  # virtual ranks' summed statistics
+                self._copy_back(torch.cat([b.reshape(-1) for b in self.buffers]).float())
             loss_total, corr = torch.stack([loss_sum.detach().float(), correct.float()]).tolist()
             return StepStats(loss=loss_total / max(count, 1), acc=corr / max(count, 1),
                              samples=count, stop=stop, rows=None if row is None else [row])
@@ -103,7 +110,7 @@ class StepReducer:
 
     def _copy_back(self, summed: Tensor) -> None:
         """Buffers := the mean of ``summed`` (integer counters rounded), fused."""
-        summed.div_(self.world)
+        summed.div_(self.ranks)
         n_float_elems = sum(self._sizes[:self._n_float])
         summed[n_float_elems:].round_()
         views = [v.view(b.shape) for v, b in zip(summed.split(self._sizes), self.buffers)]

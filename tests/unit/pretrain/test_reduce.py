@@ -31,7 +31,7 @@ def test_fused_copy_back_is_the_per_buffer_mean(one_rank: None) -> None:
         if isinstance(m, nn.BatchNorm2d):
             m.num_batches_tracked.fill_(7)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    reducer = StepReducer(model, torch.device("cpu"))
+    reducer = StepReducer(model, torch.device("cpu"), ranks=3)
     reducer.world = 3
     stats = reducer(torch.tensor(6.0), torch.tensor(4), 8, True)
     assert (stats.loss, stats.acc, stats.samples, stats.stop) == (0.75, 0.5, 8, True)
@@ -43,3 +43,19 @@ def test_fused_copy_back_is_the_per_buffer_mean(one_rank: None) -> None:
         else:
             assert torch.equal(v, before[k]), k  # parameters are not touched
     assert len(reducer.buffers) == 6 and reducer._n_float == 4
+
+
+def test_one_process_playing_two_ranks_halves_the_summed_statistics(one_rank: None) -> None:
+    """``virtual_ranks=2`` on one process: the loop hands in the two virtual ranks'
+    statistics summed, and the reducer (no all_reduce at world 1) divides by 2."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    model(torch.randn(8, 1, 9, 9))
+    model[1].num_batches_tracked.fill_(4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = StepReducer(model, torch.device("cpu"), ranks=2)(
+        torch.tensor(3.0), torch.tensor(2), 4, False)
+    assert (stats.loss, stats.acc, stats.samples) == (0.75, 0.5, 4)
+    assert torch.equal(model[1].running_mean, before["1.running_mean"] / 2)
+    assert torch.equal(model[1].running_var, before["1.running_var"] / 2)
+    assert int(model[1].num_batches_tracked) == 2
+    assert torch.equal(model[0].weight, before["0.weight"])
