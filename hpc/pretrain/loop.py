@@ -22,19 +22,19 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hpc
 from hpc.checkpoint.asyncsave import wait_for_checkpoint
 from hpc.health.step import StepHealth
 from hpc.pretrain import resume as resume_mod
-from hpc.pretrain import sampling
 from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData, epoch_batches, load_data, steps_per_epoch, val_shard
 from hpc.pretrain.evaluate import validate
+from hpc.pretrain.learn import StepLearner, played_by, virtual_ranks
 from hpc.pretrain.reduce import StepReducer, StepStats, check_identical
 from hpc.pretrain.runlog import MetricsWriter, plot_metrics, write_json
+from hpc.pretrain.sampling import check_space
 from hpc.pretrain.space import VAL_STREAM, Supernet, arch_generator, derive_seed
 from hpc.track.tracker import check_available, for_stage
 
@@ -97,18 +97,6 @@ class PretrainResult:
 
 def _cosine(total: int) -> Callable[[int], float]:
     return lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total) / total))
-
-
-def _virtual_ranks(cfg: PretrainConfig, world: int) -> int:
-    """The ranks the schedule is made for: ``cfg.virtual_ranks``, a multiple of ``world``."""
-    ranks = cfg.virtual_ranks or world
-    if ranks % world:
-        raise ValueError(
-            f"virtual_ranks={ranks} is not a multiple of the {world} processes of this "
-            "launch, so they cannot share the virtual ranks evenly.\n"
-            f"HINT: launch {ranks} processes or a divisor of it, or pass "
-            f"--virtual-ranks {world * max(1, round(ranks / world))}.")
-    return ranks
 
 
 def _optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -189,16 +177,14 @@ class _Run:
         self.data = data = (data or load_data(cfg.data, cfg.seed, cfg.val_fraction)).to(self.dev)
         if space is None:
             space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
-        sampling.check_space(space, cfg.sampling, cfg.distill)
+        check_space(space, cfg.sampling, cfg.distill)
         space.to(self.dev)
         hpc.sync_model(space)
         self.space = space
-        self.grad_sync = hpc.GradSync(space)
         self.n_train = n_train = int(data.x_train.shape[0])
-        self.ranks = ranks = _virtual_ranks(cfg, self.world)
-        per = ranks // self.world
+        self.ranks = ranks = virtual_ranks(cfg, self.world)
         #: The virtual ranks this process plays, in order (its own rank without them).
-        self.mine = range(self.rank * per, (self.rank + 1) * per)
+        self.mine = played_by(self.rank, self.world, ranks)
         self.spe = steps_per_epoch(n_train, ranks, cfg.batch_size)
         if self.spe < 1:
             raise ValueError(
@@ -266,6 +252,8 @@ class _Run:
     def train(self, stop_requested: Optional[Callable[[], bool]]) -> None:
         """The epoch loop, from the resumed position to the last epoch or a stop."""
         self.reducer = StepReducer(self.space, self.dev, ranks=self.ranks)
+        self.learner = StepLearner(self.cfg, self.space, self.data, self.rank, self.world,
+                                   self.reducer.buffers)
         self.health = StepHealth(self.rank, self.world, model=self.space,
                                  optimizer=self.optimizer, run_dir=self.run_dir)
         self.show = self.cfg.progress and self.info.local_rank == 0
@@ -313,83 +301,6 @@ class _Run:
                         self.last_ckpt)
         return stop
 
-    def _users(self, archs: list[Any]) -> Optional[list[list[nn.Parameter]]]:
-        """Every rank's used parameters this step, when the space can tell
-        (``used_parameters``): archs are a pure function of (seed, rank, step), so the
-        sync skips its agreement round. None otherwise (the sync exchanges them)."""
-        used = getattr(self.space, "used_parameters", None)
-        if used is None or self.world < 2:
-            return None
-        per, rows = len(self.mine), []
-        for r in range(self.world):
-            theirs = archs if r == self.rank else [self._arch(v)
-                                                  for v in range(r * per, (r + 1) * per)]
-            rows.append(list({id(p): p for a in theirs for p in used(a)}.values()))
-        return rows
-
-    def _arch(self, rank: int) -> Any:
-        """The sub-network (virtual) ``rank`` trains at this step (:mod:`hpc.pretrain.sampling`)."""
-        return sampling.arch_for(self.space, self.cfg.sampling, self.cfg.seed, rank,
-                                 self.ranks, self.step)
-
-    def _loss(self, arch: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Forward ``arch`` on batch ``idx`` (after the teacher under ``distill``): the
-        loss, the number right and the batch size."""
-        cfg, space = self.cfg, self.space
-        xb, yb = self.data.x_train[idx], self.data.y_train[idx]
-        teacher = None
-        if cfg.distill and arch != (largest := space.largest()):
-            with torch.no_grad():
-                teacher = space(xb, largest)
-        out = space(xb, arch)
-        if teacher is None:
-            loss = F.cross_entropy(out, yb, label_smoothing=cfg.label_smoothing)
-        else:
-            loss = sampling.distill_loss(out, teacher, yb, temperature=cfg.distill_temperature,
-                                         weight=cfg.distill_weight,
-                                         label_smoothing=cfg.label_smoothing)
-        return loss, (out.argmax(1) == yb).sum(), yb.numel()
-
-    def _learn(self, archs: list[Any], idxs: torch.Tensor, users: Any
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Forward, backward and gradient sync of this process's (virtual) ranks: the
-        summed ``loss x batch``, number right and batch size."""
-        if len(archs) == 1:
-            loss, right, n = self._loss(archs[0], idxs[0])
-            if self.cfg.overlap:
-                self.grad_sync.backward(loss, users=users)
-            else:
-                loss.backward()
-                self.grad_sync.sync(users)
-            return loss.detach() * n, right, n
-        # Virtual ranks: each from the step's BatchNorm statistics, as on its own process;
-        # the buffers end as the sum of theirs (the reducer divides by ``ranks``).
-        bufs = self.reducer.buffers
-        start, summed = [b.clone() for b in bufs], None
-        loss_sum, right_sum, count = None, None, 0
-        for j, (arch, idx) in enumerate(zip(archs, idxs)):
-            if j:
-                for b, s0 in zip(bufs, start):
-                    b.copy_(s0)
-            loss, right, n = self._loss(arch, idx)
-            loss.backward()  # gradients accumulate in order: g_0 + g_1 + ...
-            if summed is None:
-                summed = [b.clone() for b in bufs]
-                loss_sum, right_sum = loss.detach() * n, right
-            else:
-                for acc, b in zip(summed, bufs):
-                    acc.add_(b)
-                loss_sum, right_sum = loss_sum + loss.detach() * n, right_sum + right
-            count += n
-        for b, acc in zip(bufs, summed or []):
-            b.copy_(acc)
-        scale = 1.0 / len(archs)
-        for p in self.space.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        self.grad_sync.sync(users)
-        return loss_sum, right_sum, count
-
     def _step(self, idxs: torch.Tensor, stop_requested: Optional[Callable[[], bool]]
               ) -> tuple[StepStats, float]:
         """One optimizer step on this process's batches ``idxs`` (one per rank it plays):
@@ -397,9 +308,8 @@ class _Run:
         optimizer = self.optimizer
         t0 = time.perf_counter()
         self.step += 1
-        archs = [self._arch(v) for v in self.mine]
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, right, count = self._learn(archs, idxs, self._users(archs))
+        loss_sum, right, count = self.learner(self.step, idxs)
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]
         self.scheduler.step()
