@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hpc  # noqa: E402
+from hpc.pretrain.config import PretrainConfig  # noqa: E402
 from hpc.pretrain.data import load_data  # noqa: E402
 from hpc.pretrain.evaluate import validate  # noqa: E402
 from hpc.pretrain.space import Supernet, derive_seed  # noqa: E402
@@ -60,10 +61,12 @@ def choose_archs(space: Supernet, n: int, seed: int) -> list[tuple[int, ...]]:
     return archs
 
 
-def standalone(arch: tuple[int, ...], seed: int, data: Any, width: int, epochs: int) -> float:
+def standalone(arch: tuple[int, ...], seed: int, data: Any, width: int, epochs: int,
+               ops: tuple[str, ...]) -> float:
     """Validation accuracy of ``arch`` trained from scratch with ``seed``."""
     torch.manual_seed(derive_seed(seed, *arch))
-    net = SubNet(arch, in_channels=data.in_channels, num_classes=data.num_classes, width=width)
+    net = SubNet(arch, in_channels=data.in_channels, num_classes=data.num_classes, width=width,
+                 ops=ops)
     n, batch = data.x_train.shape[0], 64
     steps = epochs * (n // batch)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True,
@@ -84,10 +87,17 @@ def standalone(arch: tuple[int, ...], seed: int, data: Any, width: int, epochs: 
         return float((net(data.x_val).argmax(1) == data.y_val).float().mean())
 
 
+def run_ops(run: Path) -> tuple[str, ...]:
+    """The candidate operations of a pretrain run's supernet."""
+    cfg = json.loads((run / "config.json").read_text())
+    return PretrainConfig.from_dict(cfg).op_names()
+
+
 def inherited(run: Path, archs: list, data: Any, recal: int, seed: int) -> list[float]:
     """Each arch's validation accuracy with the run's newest checkpoint, BN recalibrated."""
     cfg = json.loads((run / "config.json").read_text())
-    space = Supernet(data.in_channels, data.num_classes, width=int(cfg["width"]))
+    space = Supernet(data.in_channels, data.num_classes, width=int(cfg["width"]),
+                     ops=run_ops(run))
     newest = max((run / "checkpoints").glob("ckpt-*.pt"))
     space.load_state_dict(torch.load(newest, map_location="cpu", weights_only=True)["model"])
     g = torch.Generator().manual_seed(derive_seed(seed, 33))
@@ -149,15 +159,21 @@ def main() -> int:
     hpc.init_torch(seed=args.seed)
     master = not dist.is_initialized() or dist.get_rank() == 0
     data = load_data(args.data, args.seed, 0.2)
-    archs = choose_archs(Supernet(data.in_channels, data.num_classes, width=args.width),
-                         args.archs, args.seed)
+    ops = run_ops(args.run[0])
+    if any(run_ops(run) != ops for run in args.run):
+        raise SystemExit("the runs' supernets have different --ops; rank them separately")
+    archs = choose_archs(Supernet(data.in_channels, data.num_classes, width=args.width,
+                                  ops=ops), args.archs, args.seed)
     key = f"{args.data}:{args.width}:{args.epochs}:{args.seeds}:{args.seed}"
+    if ops != PretrainConfig().op_names():
+        key += ":" + ",".join(ops)
     cached = json.loads(args.cache.read_text()) if args.cache.exists() else {}
     if key in cached and len(cached[key]) == len(archs):
         alone = cached[key]
     else:
         jobs = [(a, s) for a in archs for s in range(args.seeds)]
-        accs = _shared(jobs, lambda j: standalone(j[0], j[1], data, args.width, args.epochs))
+        accs = _shared(jobs, lambda j: standalone(j[0], j[1], data, args.width, args.epochs,
+                                                  ops))
         alone = [sum(accs[i * args.seeds:(i + 1) * args.seeds]) / args.seeds
                  for i in range(len(archs))]
         if master:
@@ -176,7 +192,8 @@ def main() -> int:
         pkey = f"{key}:picks"
         have = {tuple(json.loads(k)): v for k, v in cached.get(pkey, {}).items()}
         todo = [(a, sd) for a in extra if a not in have for sd in range(args.seeds)]
-        accs = _shared(todo, lambda j: standalone(j[0], j[1], data, args.width, args.epochs))
+        accs = _shared(todo, lambda j: standalone(j[0], j[1], data, args.width, args.epochs,
+                                                  ops))
         for i in range(0, len(todo), args.seeds):
             have[todo[i][0]] = sum(accs[i:i + args.seeds]) / args.seeds
         picked = have

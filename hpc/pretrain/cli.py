@@ -44,6 +44,8 @@ FIELD_HELP = {
     "seed": "seed of weights, split, order, archs",
     "val_fraction": "digits held out for validation",
     "width": "supernet channels",
+    "ops": "each block's candidate operations, comma-separated (conv3x3, conv5x5, "
+    "sepconv3x3, identity)",
     "val_archs": "sub-networks validated per epoch",
     "val_every": "validate every N epochs, 0 = last only",
     "recal_samples": "train images recalibrating BatchNorm per validated sub-net, 0 = off",

@@ -7,18 +7,33 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Optional
 
-__all__ = ["PretrainConfig", "EXACTNESS_FIELDS", "SAMPLINGS"]
+__all__ = ["PretrainConfig", "EXACTNESS_FIELDS", "SAMPLINGS", "OPS", "check_ops"]
 
 #: The sampling recipes (:mod:`hpc.pretrain.sampling`).
 SAMPLINGS = ("uniform", "sandwich")
+
+#: The candidate operations the default supernet knows (:class:`~hpc.pretrain.space.Supernet`).
+OPS = ("conv3x3", "conv5x5", "sepconv3x3", "identity")
 
 #: Fields that must not change between a run and its resume for the resume to be exact.
 EXACTNESS_FIELDS = ("seed", "epochs", "batch_size", "lr", "optimizer", "momentum",
                     "weight_decay", "label_smoothing", "data", "val_fraction", "width",
                     "sampling", "distill", "distill_temperature", "distill_weight",
-                    "virtual_ranks")
+                    "virtual_ranks", "ops")
+
+
+def check_ops(ops: Sequence[str]) -> tuple[str, ...]:
+    """``ops`` as a tuple; ``ValueError`` unless each is one of :data:`OPS`, once."""
+    ops = tuple(ops)
+    unknown = [n for n in ops if n not in OPS]
+    if not ops or unknown or len(set(ops)) != len(ops):
+        raise ValueError(f"supernet ops {list(ops)} are not distinct names of known "
+                         f"operations{f' ({unknown} unknown)' if unknown else ''}.\n"
+                         f"HINT: choose each at most once from {', '.join(OPS)}.")
+    return ops
 
 
 @dataclasses.dataclass
@@ -40,6 +55,9 @@ class PretrainConfig:
             :func:`hpc.pretrain.data.load_file`).
         val_fraction: Share of digits held out for validation (ignored for ``data``).
         width: Channels of the default supernet.
+        ops: The default supernet's candidate operations of every block, comma-separated,
+            from :data:`OPS` (default all four: 256 sub-networks). Without ``identity``
+            the smallest sub-network has a convolution in every block (81 with three).
         val_archs: Sub-networks evaluated at each epoch end (the same on every rank).
         recal_samples: Training images (over all ranks) used to recalibrate each
             validated sub-network's BatchNorm statistics; 0 evaluates with the shared
@@ -110,6 +128,7 @@ class PretrainConfig:
     data: Optional[str] = None
     val_fraction: float = 0.2
     width: int = 32
+    ops: str = ",".join(OPS)
     val_archs: int = 4
     val_every: int = 1
     recal_samples: int = 512
@@ -150,6 +169,11 @@ class PretrainConfig:
             problems.append(f"optimizer={self.optimizer!r} (valid: 'sgd', 'adamw')")
         if not 0.0 < self.val_fraction < 1.0:
             problems.append(f"val_fraction={self.val_fraction} (must be in (0, 1))")
+        try:
+            check_ops(self.op_names())
+        except ValueError:
+            problems.append(f"ops={self.ops!r} (comma-separated, each once, from "
+                            f"{', '.join(OPS)})")
         if self.sampling not in SAMPLINGS:
             problems.append(f"sampling={self.sampling!r} (valid: {', '.join(SAMPLINGS)})")
         if self.distill_temperature <= 0:
@@ -174,6 +198,10 @@ class PretrainConfig:
                 "invalid pretrain configuration: " + "; ".join(problems) + ".\n"
                 "HINT: change each value named above as its parenthesis says (for "
                 "--distill: add --sampling sandwich).")
+
+    def op_names(self) -> tuple[str, ...]:
+        """:attr:`ops` as a tuple of names."""
+        return tuple(n.strip() for n in self.ops.split(",") if n.strip())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (stored in ``config.json`` and in checkpoints)."""

@@ -176,7 +176,8 @@ class _Run:
             hpc.setup_logging(info, log_file=run_dir / "pretrain.log" if run_dir else None)
         self.data = data = (data or load_data(cfg.data, cfg.seed, cfg.val_fraction)).to(self.dev)
         if space is None:
-            space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
+            space = Supernet(data.in_channels, data.num_classes, width=cfg.width,
+                             ops=cfg.op_names())
         check_space(space, cfg.sampling, cfg.distill)
         space.to(self.dev)
         hpc.sync_model(space)

@@ -34,14 +34,17 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from hpc.pretrain.config import OPS, check_ops
+
 __all__ = ["SearchSpace", "Supernet", "derive_seed", "arch_generator", "CANDIDATES",
            "VAL_STREAM"]
 
 #: Pseudo-rank used to derive the validation architectures (identical on every rank).
 VAL_STREAM = -1
 
-#: Candidate operations of each block of the default supernet, by index.
-CANDIDATES = ("conv3x3", "conv5x5", "sepconv3x3", "identity")
+#: Candidate operations of each block of the default supernet, by index (the default
+#: ``ops``; any subset of them, in any order, also makes a supernet).
+CANDIDATES = OPS
 
 
 @runtime_checkable
@@ -88,9 +91,9 @@ class Supernet(nn.Module):
     """Default supernet for small images (8x8 digits, or anything >= 2x2).
 
     A fixed stem (3x3 conv, BN, ReLU), then ``blocks`` searchable blocks, each a choice
-    among :data:`CANDIDATES` in a residual connection (so ``identity`` skips the block).
+    among ``ops`` in a residual connection (so ``identity`` skips the block).
     After the first half of the blocks a 2x2 average pool halves the resolution; global
-    average pooling and a linear head give the logits. ``len(CANDIDATES) ** blocks``
+    average pooling and a linear head give the logits. ``len(ops) ** blocks``
     sub-networks (256 by default) share the weights.
 
     Args:
@@ -98,21 +101,23 @@ class Supernet(nn.Module):
         num_classes: Number of classes.
         width: Channels of every block.
         blocks: Number of searchable blocks.
+        ops: The candidate operations of every block, by index (names from
+            :data:`CANDIDATES`).
     """
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32,
-                 blocks: int = 4) -> None:
+                 blocks: int = 4, ops: Sequence[str] = CANDIDATES) -> None:
         super().__init__()
         if blocks < 1 or width < 1:
             raise ValueError(f"Supernet needs blocks >= 1 and width >= 1, got "
                              f"blocks={blocks}, width={width}.\n"
                              "HINT: use the defaults blocks=4, width=32.")
-        self.candidates = CANDIDATES
+        self.candidates = check_ops(ops)
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width), nn.ReLU(inplace=True))
         self.blocks = nn.ModuleList(
-            nn.ModuleList(_build_op(name, width) for name in CANDIDATES)
+            nn.ModuleList(_build_op(name, width) for name in self.candidates)
             for _ in range(blocks))
         #: Parameters of each candidate of each block (the sandwich rule asks every step).
         self._op_sizes = [[sum(p.numel() for p in op.parameters()) for op in block]
@@ -132,7 +137,8 @@ class Supernet(nn.Module):
         return self._by_size(max)
 
     def smallest(self) -> tuple[int, ...]:
-        """The sub-network with the fewest parameters (each block ``identity``)."""
+        """The sub-network with the fewest parameters (each block ``identity``, or
+        ``sepconv3x3`` when the ops leave identity out)."""
         return self._by_size(min)
 
     def _by_size(self, pick: Any) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from hpc.checkpoint.files import save_atomic
-from hpc.pretrain.space import CANDIDATES, Supernet, _build_op
+from hpc.pretrain.space import CANDIDATES, Supernet, _build_op, check_ops
 
 __all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]
 
@@ -37,24 +37,26 @@ class SubNet(nn.Module):
         in_channels: Channels of the input images.
         num_classes: Number of classes.
         width: Channels of every block.
+        ops: The supernet's candidate operations (what each index of ``arch`` names).
     """
 
     def __init__(self, arch: Sequence[int], in_channels: int = 1, num_classes: int = 10,
-                 width: int = 32) -> None:
+                 width: int = 32, ops: Sequence[str] = CANDIDATES) -> None:
         super().__init__()
         arch = tuple(int(a) for a in arch)
-        bad = [a for a in arch if not 0 <= a < len(CANDIDATES)]
+        ops = check_ops(ops)
+        bad = [a for a in arch if not 0 <= a < len(ops)]
         if not arch or bad:
             raise ValueError(f"architecture {arch} has choices {bad or 'none'} outside "
-                             f"0..{len(CANDIDATES) - 1} ({', '.join(CANDIDATES)}).\n"
+                             f"0..{len(ops) - 1} ({', '.join(ops)}).\n"
                              "HINT: use the 'arch' of a search.json written by hpc search.")
         self.arch = arch
         self.kwargs = {"in_channels": in_channels, "num_classes": num_classes,
-                       "width": width}
+                       "width": width, "ops": list(ops)}
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width), nn.ReLU(inplace=True))
-        self.ops = nn.ModuleList(_build_op(CANDIDATES[a], width) for a in arch)
+        self.ops = nn.ModuleList(_build_op(ops[a], width) for a in arch)
         self.pool_after = len(arch) // 2
         self.pool = nn.AvgPool2d(2)
         self.head = nn.Linear(width, num_classes)
@@ -91,7 +93,7 @@ def extract(space: nn.Module, arch: Sequence[int]) -> nn.Module:
         return subnet(arch)
     first = space.stem[0]
     net = SubNet(arch, in_channels=first.in_channels, num_classes=space.head.out_features,
-                 width=first.out_channels)
+                 width=first.out_channels, ops=space.candidates)
     if len(net.ops) != len(space.blocks):
         raise ValueError(f"architecture {tuple(arch)} has {len(net.ops)} choices but the "
                          f"supernet has {len(space.blocks)} blocks.\n"

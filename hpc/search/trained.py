@@ -82,7 +82,8 @@ def load_run(run: str, checkpoint: Optional[str] = None,
                 f"{run_dir} trained a {saved['space']}, not the default Supernet.\n"
                 "HINT: call hpc.search.search.search(cfg, space=YourSpace()) from "
                 "Python with the same space.")
-        space = Supernet(data.in_channels, data.num_classes, width=cfg.width)
+        space = Supernet(data.in_channels, data.num_classes, width=cfg.width,
+                         ops=cfg.op_names())
     space.load_state_dict(payload["model"])
     dev = hpc.device()
     return LoadedRun(space.to(dev), cfg, data.to(dev), path, int(payload["step"]))

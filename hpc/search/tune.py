@@ -129,7 +129,7 @@ def _build(cfg: TuneConfig, found: dict[str, Any], run: LoadedRun) -> SubNet:
             torch.manual_seed(derive_seed(cfg.seed, SCRATCH_STREAM))
             net = SubNet(arch, in_channels=space.stem[0].in_channels,
                          num_classes=space.head.out_features,
-                         width=space.stem[0].out_channels)
+                         width=space.stem[0].out_channels, ops=space.candidates)
         return net.to(hpc.device())
     recal = recal_images(run, found["settings"].get("recal_samples", cfg.recal_samples))
     if recal.shape[0]:

@@ -152,6 +152,32 @@ def test_cli_parser_matches_the_config() -> None:
     assert config_from_args(parser.parse_args(["pretrain", "--resume"])).resume == "auto"
 
 
+def test_supernet_ops_choose_the_candidates_and_bad_ones_are_refused() -> None:
+    """``--ops`` without identity: 81 sub-networks, the smallest a sepconv in every block
+    (it can learn), and the flag, the config and the class refuse the same names."""
+    import argparse
+
+    from hpc.pretrain.cli import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    cfg = config_from_args(parser.parse_args(
+        ["pretrain", "--ops", "conv3x3,conv5x5,sepconv3x3"]))
+    net = Supernet(width=8, ops=cfg.op_names())
+    assert net.choices() == [3, 3, 3, 3] and net.candidates == CANDIDATES[:3]
+    assert net.describe(net.smallest()) == "-".join(["sepconv3x3"] * 4)
+    assert net.describe(net.largest()) == "-".join(["conv5x5"] * 4)
+    assert Supernet(width=8).describe(Supernet(width=8).smallest()) == "-".join(
+        ["identity"] * 4)
+    for bad in ("conv3x3,conv7x7", "conv3x3,conv3x3", ""):
+        with pytest.raises(ValueError, match="ops="):
+            PretrainConfig(ops=bad).validate()
+    with pytest.raises(ValueError, match=r"\['conv7x7'\] unknown.*\nHINT: choose each"):
+        Supernet(ops=("conv3x3", "conv7x7"))
+    # a run directory written before --ops existed reads as the default space
+    assert PretrainConfig.from_dict({"width": 8}).op_names() == CANDIDATES
+
+
 def test_used_parameters_are_exactly_those_that_get_gradients() -> None:
     """What the loop passes to sync_gradients as users must match autograd's view."""
     from hpc.pretrain.space import Supernet, arch_generator

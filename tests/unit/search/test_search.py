@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpc.pretrain.evaluate import recalibrate_bn  # noqa: E402
-from hpc.pretrain.space import Supernet  # noqa: E402
+from hpc.pretrain.space import CANDIDATES, Supernet  # noqa: E402
 from hpc.search.config import SearchConfig, TuneConfig  # noqa: E402
 from hpc.search.evolution import (  # noqa: E402
     enumerate_archs,
@@ -100,18 +100,24 @@ def test_pareto_front_and_ranking() -> None:
     assert [r["arch"] for r in sorted(records, key=rank_key)] == [[0], [1], [2]]
 
 
-def _recalibrated(arch: tuple[int, ...]) -> tuple[Supernet, torch.Tensor]:
+NO_IDENTITY = ("sepconv3x3", "conv5x5", "conv3x3")
+
+
+def _recalibrated(arch: tuple[int, ...], ops: tuple[str, ...] = CANDIDATES
+                  ) -> tuple[Supernet, torch.Tensor]:
     torch.manual_seed(0)
-    net = Supernet(width=8)
+    net = Supernet(width=8, ops=ops)
     x = torch.randn(64, 1, 8, 8)
     recalibrate_bn(net, arch, x, reduce=False)
     return net, torch.randn(16, 1, 8, 8)
 
 
-@pytest.mark.parametrize("arch", [(0, 1, 2, 3), (3, 3, 3, 3), (2, 0, 3, 1)])
+@pytest.mark.parametrize("arch,ops", [((0, 1, 2, 3), CANDIDATES), ((3, 3, 3, 3), CANDIDATES),
+                                      ((2, 0, 3, 1), CANDIDATES), ((0, 2, 1, 0), NO_IDENTITY)])
 def test_export_reproduces_the_supernet_subnetwork_bitwise(arch: tuple[int, ...],
+                                                          ops: tuple[str, ...],
                                                           tmp_path: Path) -> None:
-    net, x = _recalibrated(arch)
+    net, x = _recalibrated(arch, ops)
     sub = extract(net, arch)
     net.eval()
     sub.eval()
@@ -127,7 +133,7 @@ def test_export_reproduces_the_supernet_subnetwork_bitwise(arch: tuple[int, ...]
     # model.pt rebuilds it without the supernet, bitwise
     save_model(sub, tmp_path / "model.pt", val_acc=0.5)
     loaded = load_model(tmp_path / "model.pt")
-    assert loaded.arch == arch and not loaded.training
+    assert loaded.arch == arch and not loaded.training and loaded.kwargs["ops"] == list(ops)
     with torch.no_grad():
         assert torch.equal(loaded(x), expected)
     payload = torch.load(tmp_path / "model.pt", weights_only=True)
