@@ -20,7 +20,9 @@ its soft labels (:func:`distill_loss`); the rank that trains the largest learns 
 labels. Each rank's teacher is computed on its own batch, so no logits cross the network.
 
 Everything is a pure function of ``(seed, rank, world, step)``: nothing to checkpoint,
-and a resume replays the same sub-networks. A space that offers ``largest()`` and
+and a resume replays the same sub-networks. Under ``virtual_ranks`` the rank and world
+are the virtual ones (:mod:`hpc.pretrain.learn`), so the schedule does not depend on the
+number of processes. A space that offers ``largest()`` and
 ``smallest()`` (the default :class:`~hpc.pretrain.space.Supernet` does) supports both.
 """
 
