@@ -189,6 +189,13 @@ class PretrainConfig:
                             "largest sub-network, trained at every step)")
         if self.virtual_ranks is not None and self.virtual_ranks < 1:
             problems.append(f"virtual_ranks={self.virtual_ranks} (must be >= 1 or None)")
+        if not self.distill:
+            default = PretrainConfig.__dataclass_fields__
+            for name in ("distill_temperature", "distill_weight"):
+                if getattr(self, name) != default[name].default:
+                    problems.append(f"{name}={getattr(self, name)} without distill (it "
+                                    "only shapes the distillation loss: add --distill, or "
+                                    "drop it)")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps={self.max_steps} (must be >= 1 or None)")
         if self.resume != "auto" and self.resume != "never" and not Path(self.resume).exists():

@@ -109,3 +109,15 @@ def test_distillation_without_the_sandwich_rule_is_refused() -> None:
                        r"HINT: .*add --sampling sandwich"):
         PretrainConfig(distill=True, out=None).validate()
     PretrainConfig(distill=True, sampling="sandwich", out=None).validate()
+
+
+def test_distillation_settings_without_distillation_are_refused() -> None:
+    """--distill-weight or --distill-temperature without --distill changed nothing and
+    said nothing; now the run is refused, naming both ways out."""
+    from hpc.pretrain.config import PretrainConfig
+
+    for name, value in (("distill_weight", 0.5), ("distill_temperature", 2.0)):
+        with pytest.raises(ValueError, match=rf"{name}={value} without distill .*add "
+                           r"--distill, or drop it"):
+            PretrainConfig(**{name: value}, out=None).validate()
+        PretrainConfig(**{name: value}, distill=True, sampling="sandwich", out=None).validate()
