@@ -187,6 +187,7 @@ class _Tuner:
                                          resume_step=self.step if self.pos.path else None,
                                          trackers=trackers)
         self.train_time, self.run_steps, self.last_ckpt = 0.0, 0, None
+        self.started = time.perf_counter()  # metrics.csv's elapsed_s, as in pretrain
 
     def train_step(self, idx: Tensor) -> tuple[float, float, bool]:
         """One DDP step; returns the global (loss, accuracy) and the agreed stop flag."""
@@ -230,7 +231,8 @@ class _Tuner:
             if self.metrics is not None:
                 self.metrics.add([{"step": self.step, "epoch": epoch + 1, "split": "train",
                                    "loss": loss, "acc": acc, "lr": lr,
-                                   "samples": cfg.batch_size * self.world}])
+                                   "samples": cfg.batch_size * self.world,
+                                   "elapsed_s": round(time.perf_counter() - self.started, 3)}])
             stop = stop or (cfg.max_steps is not None and self.step >= cfg.max_steps)
             at_end = start + i + 1 == self.spe
             if at_end:

@@ -159,6 +159,10 @@ def test_tune_exports_the_winner_and_resumes_exactly(searched: dict[int, Path],
     assert result["status"] == "completed" and result["world_size"] == 2
     assert {"tune.json", "metrics.csv", "metrics.png", "model.pt"} <= {
         p.name for p in whole.iterdir()}
+    import csv
+    with open(whole / "metrics.csv", newline="") as f:
+        elapsed = [float(r["elapsed_s"]) for r in csv.DictReader(f) if r["split"] == "train"]
+    assert elapsed and elapsed == sorted(elapsed) and elapsed[0] > 0  # as pretrain's rows
     # model.pt loads without the supernet and scores what tune.json says
     net = load_model(whole / "model.pt")
     data = load_run(str(Path(load(searched[2])["pretrain"]["run"]))).data
