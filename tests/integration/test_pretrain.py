@@ -425,7 +425,3 @@ def test_four_virtual_ranks_on_two_processes_follow_four_ranks(tmp_path: Path) -
     a, b = final_state(four), final_state(two)
     for k in a["model"]:
         assert torch.allclose(a["model"][k].float(), b["model"][k].float(), atol=5e-3), k
-    # a process count that does not divide the virtual ranks is refused before training
-    proc = run(3, *TINY, "--virtual-ranks", "4", "--no-out")
-    assert proc.returncode != 0
-    assert "virtual_ranks=4 is not a multiple of the 3 processes" in proc.stderr, proc.stderr

@@ -121,3 +121,21 @@ def test_distillation_settings_without_distillation_are_refused() -> None:
                            r"--distill, or drop it"):
             PretrainConfig(**{name: value}, out=None).validate()
         PretrainConfig(**{name: value}, distill=True, sampling="sandwich", out=None).validate()
+
+
+def test_virtual_ranks_are_shared_evenly_or_refused() -> None:
+    """Each process plays a contiguous share of the virtual ranks; a count the processes
+    cannot share is refused before training, naming both fixes."""
+    from hpc.pretrain.config import PretrainConfig
+    from hpc.pretrain.learn import played_by, virtual_ranks
+
+    assert virtual_ranks(PretrainConfig(), 3) == 3  # default: one per process
+    assert virtual_ranks(PretrainConfig(virtual_ranks=4), 2) == 4
+    assert [list(played_by(r, 2, 4)) for r in range(2)] == [[0, 1], [2, 3]]
+    assert list(played_by(0, 1, 2)) == [0, 1]
+    with pytest.raises(ValueError, match=r"(?s)virtual_ranks=4 is not a multiple of the 3 "
+                       r"processes.*HINT: launch 4 processes or a divisor of it, or pass "
+                       r"--virtual-ranks 3"):
+        virtual_ranks(PretrainConfig(virtual_ranks=4), 3)
+    with pytest.raises(ValueError, match=r"virtual_ranks=0 \(must be >= 1 or None\)"):
+        PretrainConfig(virtual_ranks=0).validate()
