@@ -326,7 +326,8 @@ class _Job:
             if mark and mark[1] != GENERIC_MESSAGE:
                 failed.append((rank, 1, now))
                 self.slow.add(rank)
-        first = first_failure(self.error_dir, {r: t for r, _, t in failed}, ())
+        first = first_failure(self.error_dir, {r: t for r, _, t in failed}, (),
+                              signalled=[r for r, code, _ in failed if code < 0])
         rank = first.rank if first else failed[0][0]  # every failed entry has a time
         return next(e for e in failed if e[0] == rank), failed
 

@@ -20,9 +20,10 @@ and returns a :class:`Verdict`. The rules, in order; the first that applies deci
    of several: **infrastructure**, that host (a frozen or cut-off
    node); stuck ranks on several hosts are the program's own hang.
 5. the first failure by the marks (:func:`hpc.watchdog.failure.first_failure`) is a rank
-   that lost a peer ("Connection closed by peer", "Connection reset", a gloo/NCCL
-   timeout): **infrastructure**, the host the message names when it names one of the
-   step's hosts (by name or address), else no culprit (relaunch on the same hosts).
+   that lost a peer (:data:`hpc.watchdog.failure.PEER_LOST`: "Connection closed by
+   peer", "Connection reset", a gloo/NCCL timeout): **infrastructure**, the host the
+   message names when it names one of the step's hosts (by name or address), else no
+   culprit (relaunch on the same hosts).
 6. anything else (a Python exception, a non-zero ``sys.exit``, srun's "Exited with exit
    code"): **application**: no restart.
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpc.errors import EXIT_REQUEUED
-from hpc.watchdog.failure import GENERIC_MESSAGE, SrunExit
+from hpc.watchdog.failure import GENERIC_MESSAGE, PEER_LOST, SrunExit
 
 __all__ = ["Evidence", "Mark", "Verdict", "classify", "COMPLETED", "REQUEUED",
            "INFRASTRUCTURE", "APPLICATION", "UNREACHABLE"]
@@ -53,11 +54,6 @@ _GONE = ("down", "fail", "failing", "unknown", "future", "power_down", "powering
 #: :data:`hpc.supervise.hosts.UNREACHABLE_S` seconds (a cut link, a dead node), long
 #: before Slurm's own ``SlurmdTimeout`` (300 s by default) marks it not responding.
 UNREACHABLE = "unreachable"
-#: What a rank says when it only lost a peer (its own code is not at fault).
-_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-                        r"[Cc]onnection refused|Socket Timeout|timed out|[Tt]imeout|"
-                        r"NCCL communicator was aborted|ProcessGroupGloo.*(?:failed|error)",
-                        re.S)
 #: The watchdog's words for a stuck rank: ``rank 2 (node2, pid 41) never entered``.
 _STUCK = re.compile(r"\brank (\d+)(?: \(([^,()\s]+), pid \d+\))? never entered")
 _ADDRESS = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?")
@@ -195,7 +191,7 @@ def classify(e: Evidence) -> Verdict:
                        f"{host}: {_ranks(ranks)} never entered a collective the others "
                        "waited in (frozen or cut off)")
     first = _first_mark(e)
-    if first is not None and not stuck and _PEER_LOST.search(first[1].message):
+    if first is not None and not stuck and PEER_LOST.search(first[1].message):
         rank, mark = first
         peer = _peer_host(mark.message, e)
         line = mark.message.strip().splitlines()[-1][:200]

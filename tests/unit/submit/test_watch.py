@@ -70,6 +70,33 @@ def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) 
         run, [log], marks)
 
 
+def test_failure_summary_names_a_killed_rank_before_the_peers_that_lost_it(
+        tmp_path: Path) -> None:
+    """Rank 3 was SIGKILLed (no mark); ranks 0 and 2 only lost it, and srun listed them
+    first (it learns of the exits in any order on a loaded host)."""
+    from hpc.watchdog import failure
+
+    log = tmp_path / "0.err"
+    log.write_text("srun: error: node2: task 2: Exited with exit code 1\n"
+                   "srun: error: node2: task 3: Killed\n"
+                   "srun: launch/slurm: _step_signal: Terminating StepId=26.0\n"
+                   "srun: error: node1: tasks 0-1: Killed\n")
+    marks = tmp_path / "failures-0"
+    marks.mkdir()
+    lost = "RuntimeError: Connection closed by peer [10.200.0.12]:57567"
+    failure.write_mark(str(marks), 0, lost, 1_000_000_003.0)
+    failure.write_mark(str(marks), 2, lost, 1_000_000_003.1)
+    run = jobwatch.Run("26", "FAILED", "0:9", "", "", "node[1-2]")
+    text = jobwatch.failure_summary(run, [log], marks).splitlines()
+    assert text[1].startswith("first failure: rank 3 on node2: Killed (no mark of its own;"), text
+    assert "  srun: rank 2 on node2: Exited with exit code 1" in text
+    # rank 1, killed by srun's own cancellation, is no cause: the first loss is
+    log.write_text(log.read_text().replace("task 3: Killed", "task 3: Exited with exit code 1"))
+    first = jobwatch.failure_summary(run, [log], marks).splitlines()[1]
+    assert first.startswith("first failure: rank 0 on ") and first.endswith(
+        f"Connection closed by peer [10.200.0.12]:57567 (by the failure marks in {marks})"), first
+
+
 def test_first_failure_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hpc.cli import failures
     from hpc.watchdog import failure

@@ -109,3 +109,38 @@ def test_first_failure_counts_a_generic_mark_only_for_ranks_seen_to_fail(tmp_pat
     assert first is not None and (first.rank, first.began) == (2, 99.0)
     assert failure.first_failure(str(tmp_path / "none"), {5: None}) is None  # no time at all
     assert failure.first_failure(str(tmp_path), {5: 98.0}).rank == 5  # type: ignore[union-attr]
+
+
+def test_a_rank_killed_by_a_signal_comes_before_the_peers_that_lost_it(tmp_path: Path) -> None:
+    """Rank 3 is SIGKILLed (no Python ran: no mark); ranks 0 and 2 fail on the connection
+    it closed. On a loaded host the launcher sees the death after rank 0 marked its loss."""
+    lost = "RuntimeError: [pair.cc:553] Connection closed by peer [10.200.0.12]:57567"
+    _mark(tmp_path, 0, 100.0, lost)
+    _mark(tmp_path, 2, 100.2, lost)
+    seen = {0: 100.5, 2: 100.6, 3: 101.0}  # hpc run's exit times
+    first = failure.first_failure(str(tmp_path), seen, (), signalled=[3])
+    assert first is not None and (first.rank, first.began) == (3, 100.0)
+    # srun's lines carry no time: a rank it saw killed before it cancelled the step
+    first = failure.first_failure(str(tmp_path), dict.fromkeys([0, 2, 3]), signalled=[3])
+    assert first is not None and first.rank == 3
+    # without the signal (srun's own cancellation killed it), or dead long after the loss:
+    # the loss came first
+    assert failure.first_failure(str(tmp_path), dict.fromkeys([0, 2, 3])).rank == 0  # type: ignore[union-attr]
+    late = {**seen, 3: 100.0 + failure.PEER_LOSS_WINDOW + 1}
+    assert failure.first_failure(str(tmp_path), late, (), signalled=[3]).rank == 0  # type: ignore[union-attr]
+
+
+def test_a_killed_rank_does_not_come_before_a_rank_that_failed_in_its_own_code(
+        tmp_path: Path) -> None:
+    _mark(tmp_path, 1, 99.0, "ValueError: bad batch")
+    _mark(tmp_path, 0, 100.0, "RuntimeError: Connection closed by peer")
+    first = failure.first_failure(str(tmp_path), dict.fromkeys([0, 1, 3]), signalled=[3])
+    assert first is not None and first.rank == 1
+    # the watchdog's verdict that a rank never entered a collective is not a lost peer,
+    # even when the collective timed out
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    _mark(stuck, 2, 98.0, "all_reduce #9 timed out (reported by rank 0): rank 2 (node2, "
+                          "pid 41) never entered it.")
+    first = failure.first_failure(str(stuck), dict.fromkeys([2, 3]), signalled=[3])
+    assert first is not None and first.rank == 2
