@@ -19,7 +19,11 @@ thread per rank. Through the pre-flight store it:
   :data:`EXIT_GRACE` seconds, so the job ends under every launcher, bare ``srun``
   without ``--kill-on-bad-exit`` included. A culprit whose watchdog cannot answer (a
   stopped or wedged process) is killed by the reporter when it runs on its host, and
-  under Slurm the reporter cancels the step (``scancel JOB.STEP``).
+  under Slurm the reporter cancels the step (``scancel JOB.STEP``). Rank 0 serves the
+  store until every rank read the failure; a rank that has not read it within
+  :data:`EXIT_GRACE` seconds and two polls (starved on a loaded host, outside any
+  collective) would never learn it once the store is gone, so under Slurm rank 0
+  cancels the step too.
 
 Environment variables:
 
@@ -205,9 +209,12 @@ class Watchdog:
                                self.hang_timeout, text)
 
     def _ack(self, store: Any) -> None:
-        """Count this rank as having read the failure (rank 0 waits for the others)."""
+        """Note that this rank read the failure (rank 0 waits for the others): one key
+        per rank, so that the main thread raising and the watchdog thread reading the
+        failure too count once (a count of calls reached ``world_size - 1`` while a rank
+        had not read it yet, and rank 0 took the store away from it)."""
         if self.info.rank != 0:
-            store.add("hpc/wd/seen-failed", 1)
+            store.set(f"hpc/wd/seen-failed/{self.info.rank}", "1")
 
     def _exit(self, why: str) -> None:
         """Give the process :data:`EXIT_GRACE` seconds to exit by itself, then end it."""
@@ -365,25 +372,44 @@ class Watchdog:
         """Before a failed rank exits: run the pending step cancel, and, on the rank
         serving the store, wait until every other rank read the failure (or
         :data:`EXIT_GRACE` + 2 polls), so no rank loses the store before it learns
-        that the job failed."""
+        that the job failed.
+
+        A rank that has not read it by then is stopped, dead, or was starved of CPU
+        outside any collective: once the store is gone it would never learn of the
+        failure, and a live one would never end (its watchdog ends a rank that lost the
+        store only while it waits in a collective; outside one, rank 0 may have ended
+        cleanly). Under Slurm the step is cancelled, as for a culprit that cannot end
+        itself; other launchers end the remaining ranks at the first failure."""
+        cancelled = self._cancel is not None
         if self._cancel is not None:
             self._cancel.join(EXIT_GRACE + 40)
         if not self.serves_store:
             return
         deadline = time.monotonic() + EXIT_GRACE + 2 * POLL
+        seen = [f"hpc/wd/seen-failed/{r}" for r in range(1, self.info.world_size)]
         try:
             store = self.connect(STORE_TIMEOUT)
             while time.monotonic() < deadline:
-                if int(store.add("hpc/wd/seen-failed", 0)) >= self.info.world_size - 1:
+                if store.check(seen):
                     return
                 time.sleep(0.05)
+            unread = [r for r, key in enumerate(seen, 1) if not store.check([key])]
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             logger.debug("finish: %s", e)
+            return
+        why = (f"rank(s) {report._ranks(unread)} did not read the job's failure within "
+               f"{EXIT_GRACE + 2 * POLL:g} s (stopped, dead, or starved outside a "
+               "collective) and would outlive the store")
+        if self.slurm_step and not cancelled:
+            self._scancel(0.0, why)
+        else:
+            logger.error("rank %d: %s; the launcher must end them", self.info.rank, why)
 
-    def _scancel(self) -> None:
-        time.sleep(EXIT_GRACE + 2 * POLL)  # let the live ranks print and exit first
-        logger.error("rank %d: cancelling Slurm step %s: a rank on another node cannot end "
-                     "itself", self.info.rank, self.slurm_step)
+    def _scancel(self, wait: float = EXIT_GRACE + 2 * POLL,
+                 why: str = "a rank on another node cannot end itself") -> None:
+        time.sleep(wait)  # let the live ranks print and exit first
+        logger.error("rank %d: cancelling Slurm step %s: %s", self.info.rank,
+                     self.slurm_step, why)
         subprocess.run(["scancel", str(self.slurm_step)], timeout=30, check=False)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import threading
 import time
@@ -211,3 +213,38 @@ def test_stop_waits_for_a_thread_inside_a_store_call(monkeypatch: pytest.MonkeyP
         dog.stop()
     assert dog._thread is not None and not dog._thread.is_alive()
     assert time.monotonic() - t0 > 0.1  # it did wait for the call in progress
+
+
+def test_a_rank_that_did_not_read_the_failure_gets_its_step_cancelled(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 serves the store; rank 1 read the failure twice (its main thread raising,
+    its watchdog thread on its next look), rank 2 (asleep in its own code, starved on a
+    loaded host) not yet. Rank 0 waits for rank 2, not for a count of two reads (which
+    once let it take the store away while rank 2 slept on, holding a bare srun's step
+    until its time limit); when its wait ends, it cancels the step, naming rank 2. A
+    rank that read it in time costs no cancel."""
+    dist = pytest.importorskip("torch.distributed")
+    scancel = tmp_path / "scancel"
+    scancel.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "cancelled"}\n')
+    scancel.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(watchdog, "EXIT_GRACE", 0.2)
+    monkeypatch.setattr(watchdog, "POLL", 0.05)
+    store = dist.HashStore()
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+
+    def dog(rank: int) -> watchdog.Watchdog:
+        return watchdog.Watchdog(DistInfo(launcher="srun", rank=rank, world_size=3),
+                                 lambda t: store, 10.0, slurm)
+
+    dog(1)._ack(store)
+    dog(1)._ack(store)
+    with caplog.at_level(logging.ERROR, logger=watchdog.__name__):
+        dog(0).finish()
+    assert (tmp_path / "cancelled").read_text() == "7.0\n"
+    assert "cancelling Slurm step 7.0: rank(s) 2 did not read the job's failure" in caplog.text
+    dog(2)._ack(store)
+    (tmp_path / "cancelled").unlink()
+    dog(0).finish()
+    assert not (tmp_path / "cancelled").exists()
