@@ -5,14 +5,18 @@ at every poll of the job's ``PreemptGuard`` (once per step), in the first
 ``HPC_TEST_SLEEP_RUNS`` runs of the job only (``SLURM_RESTART_COUNT`` below it; unset:
 every run). A signal sent once a checkpoint exists then lands in the middle of the run;
 sleeping does not change the results. :func:`slowed` gives the variables a job needs,
-``PYTHONPATH`` included, so the nodes import this module.
+``PYTHONPATH`` included, so the nodes import this module. :func:`holding` ties a job's
+length to a fault the test injects from outside: every rank waits at one step until the
+test says the fault is in place.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 from tests.helpers.paths import ROOT
 
@@ -36,6 +40,38 @@ def slowed(seconds: float, runs: int = 0) -> dict[str, str]:
 
 
 _polls = 0
+
+#: Seconds :func:`hold` waits for its release file at most (a test that died without
+#: releasing leaves the job to go on, not to wait until its time limit).
+HOLD_MAX_S = 300.0
+
+
+def hold() -> None:
+    """:func:`sleep`, and at the ``HPC_TEST_HOLD_AT``-th poll (step) of this process, wait
+    until the file ``HPC_TEST_RELEASE`` exists. A test that injects a fault from outside
+    the job (a node crashed, a link cut) once the checkpoint before that step exists
+    writes the file after the fault is in place: the run cannot end first, however slow
+    the host. A relaunch that resumes past the start finds the file and does not wait."""
+    global _polls
+    sleep()
+    _polls += 1
+    if _polls != int(os.environ.get("HPC_TEST_HOLD_AT") or 0):
+        return
+    release = Path(os.environ["HPC_TEST_RELEASE"])
+    if release.exists():
+        return
+    print(f"step hook: rank {os.environ.get('SLURM_PROCID', '?')} holds at poll {_polls} "
+          f"until {release} exists", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + HOLD_MAX_S
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def holding(at: int, release: Path, seconds: float = 0.0) -> dict[str, str]:
+    """Variables for a job whose steps sleep ``seconds`` and whose every rank holds at its
+    ``at``-th step until ``release`` exists (:func:`hold`)."""
+    return {**slowed(seconds), "HPC_STEP_HOOK": f"{__name__}:hold",
+            "HPC_TEST_HOLD_AT": str(at), "HPC_TEST_RELEASE": str(release)}
 
 
 def kill_rank() -> None:

@@ -15,8 +15,9 @@ at step 7, after the checkpoint of step 6: the node "crashes", no rank writes a 
   rank to the spare), before any checkpoint: the no-progress limit ends the job after two
   attempts, though a spare and budget are left;
 * node2 silenced once checkpoint 6 is written, its link cut (``ip link set hpcv-node2
-  down``) or the whole node crashed (``bin/hpc-testcluster crash node2``): the supervisor
-  finds node2 silent on slurmd's port, relaunches on node1,node3 and the job completes
+  down``) or the whole node crashed (``bin/hpc-testcluster crash node2``), while every
+  rank holds at step 7 until the fault is in place (a step hook): the supervisor finds
+  node2 silent on slurmd's port, relaunches on node1,node3 and the job completes
   bitwise equal;
 * ``HPC_FAULT=2:5:exc`` and a real bug (a shape error): the job ends non-zero within
   seconds, no restart, the rank and its exception named, no strike;
@@ -51,7 +52,7 @@ from tests.helpers.slurm import (
     until,
     wait_for_file,
 )
-from tests.helpers.step_hooks import buggy, killing, killing_first_run, slowed
+from tests.helpers.step_hooks import buggy, holding, killing, killing_first_run, slowed
 from tests.helpers.tiny_pretrain import (
     ENV,
     TINY_ARGS,
@@ -272,11 +273,17 @@ def test_a_silenced_node_is_found_and_the_step_goes_on_without_it(
         fault: str, tiny_reference: Path, tmp_path: Path, cancel_after: list[str]) -> None:
     """The supervisor finds node2 silent on slurmd's port, relaunches on node1,node3
     (``srun --overlap``: a cut-off step still holds node1's CPUs) and the job completes
-    bitwise equal."""
+    bitwise equal.
+
+    Every rank of the first attempt holds at step 7 until the fault is in place (the
+    file ``released``): on a slow host the 16 steps left after checkpoint 6 once ended
+    the job before the test had crashed node2. The relaunch resumes at step 7 and does
+    not hold (its 7th step is step 13, and the file exists)."""
     require("ip", "iproute2")
     inject, undo, evidence = SILENCED[fault]
     out = tmp_path / "run"
-    env = slurm_env(**ENV, **slowed(0.6), HPC_SPARE_NODES="1")
+    released = tmp_path / "fault-in-place"
+    env = slurm_env(**ENV, **holding(7, released, seconds=0.6), HPC_SPARE_NODES="1")
     job_id = sbatch_nowait(["-p", "four", "-N3", "--ntasks-per-node=2", "--no-kill",
                             TEMPLATE, *TINY_ARGS, "--out", str(out)], tmp_path, env,
                            cancel_after)
@@ -284,11 +291,13 @@ def test_a_silenced_node_is_found_and_the_step_goes_on_without_it(
     try:
         wait_for_file(out / "checkpoints" / "ckpt-00000006.pt", job_id, timeout=150)
         inject()
+        released.touch()
         at = time.monotonic()
         until("the relaunch's resume", lambda: "resumed from" in log.read_text(), job_id,
               timeout=90)
         resumed = time.monotonic() - at
     finally:
+        released.touch()
         undo()
     last = jobwatch.wait(job_id, timeout=120)
     text = log.read_text()
