@@ -344,8 +344,15 @@ class _Job:
         _say(f"rank {rank} (pid {self.procs[rank].pid}) failed first with {how}"
              + (f": {mark[1].rstrip('.')}" if mark and mark[1] != GENERIC_MESSAGE else "")
              + f"; ranks failing after it: {others}; stopped all {len(self.procs)} ranks. "
-             f"Its output above is prefixed [rank {rank}]." + self._missing_module(rank))
+             + self._where_output(rank) + self._missing_module(rank))
         return 128 - code if code < 0 else code
+
+    def _where_output(self, rank: int) -> str:
+        """Where to read the failed rank's output (a SIGKILLed rank may have printed none)."""
+        if not self.tails[rank]:
+            return "It printed nothing."
+        return f"Its output above is prefixed [rank {rank}]." if self.prefix else \
+            "Its output is above."
 
     def _missing_module(self, rank: int) -> str:
         """For a rank that died of ModuleNotFoundError: which Python ran, and the fix."""

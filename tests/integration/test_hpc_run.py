@@ -108,3 +108,20 @@ def test_the_rank_that_failed_first_is_named_even_if_it_exits_last() -> None:
     assert "hpc run: rank 1 " in proc.stderr and "RuntimeError: rank 1 broke first" \
         in proc.stderr.splitlines()[-1], proc.stderr
     assert "ranks failing after it: 0;" in proc.stderr
+
+
+def test_a_rank_killed_before_printing_is_said_to_have_printed_nothing() -> None:
+    """SIGKILL (the OOM killer) before any output: the summary does not send the reader
+    to output that does not exist; a rank that printed is pointed to its prefix."""
+    code = ("import os, signal, time\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "print('rank 0 waits', flush=True); time.sleep(30)\n")
+    for first, ending in (("", "It printed nothing."),
+                          ("print('hello', flush=True)\n",
+                           "Its output above is prefixed [rank 1].")):
+        proc = hpc_run(2, ["python", "-c", first + code], timeout=60)
+        last = proc.stderr.splitlines()[-1]
+        assert proc.returncode == 137, proc.stderr
+        assert "rank 1 " in last and "failed first with signal SIGKILL" in last, proc.stderr
+        assert last.endswith(ending), last
