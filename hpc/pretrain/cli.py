@@ -52,8 +52,8 @@ FIELD_HELP = {
     "keep": "checkpoints kept",
     "distill_temperature": "softmax temperature of --distill",
     "distill_weight": "share of the distillation loss under --distill, 1 = teacher only",
-    "virtual_ranks": "train as N ranks would on any multiple-of-it process count (each "
-    "process runs N/world sub-networks a step); None = one per process",
+    "virtual_ranks": "train as N ranks would, on any number of processes that divides N "
+    "(each plays N/processes ranks a step); default: one rank per process",
 }
 
 

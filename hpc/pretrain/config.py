@@ -6,11 +6,12 @@ Torch-free on purpose: ``hpc --help`` builds the ``pretrain`` parser from these 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["PretrainConfig", "EXACTNESS_FIELDS", "SAMPLINGS", "OPS", "check_ops"]
+__all__ = ["PretrainConfig", "EXACTNESS_FIELDS", "SPACE_FIELDS", "SAMPLINGS", "OPS",
+           "check_ops"]
 
 #: The sampling recipes (:mod:`hpc.pretrain.sampling`).
 SAMPLINGS = ("uniform", "sandwich")
@@ -20,20 +21,33 @@ OPS = ("conv3x3", "conv5x5", "sepconv3x3", "identity")
 
 #: Fields that must not change between a run and its resume for the resume to be exact.
 EXACTNESS_FIELDS = ("seed", "epochs", "batch_size", "lr", "optimizer", "momentum",
-                    "weight_decay", "label_smoothing", "data", "val_fraction", "width",
-                    "sampling", "distill", "distill_temperature", "distill_weight",
-                    "virtual_ranks", "ops")
+                    "weight_decay", "label_smoothing", "data", "val_fraction",
+                    "sampling", "distill", "distill_temperature", "distill_weight")
+
+#: Fields that define the supernet itself: a checkpoint's weights belong to one value.
+SPACE_FIELDS = ("width", "ops")
+
+
+def ops_problem(ops: Sequence[str]) -> Optional[str]:
+    """What is wrong with ``ops`` (unknown or repeated names, none), or None."""
+    ops = tuple(ops)
+    unknown = [n for n in ops if n not in OPS]
+    repeated = sorted({n for n in ops if ops.count(n) > 1})
+    if not ops:
+        return "no operation"
+    if unknown:
+        return f"unknown: {', '.join(unknown)}"
+    return f"repeated: {', '.join(repeated)}" if repeated else None
 
 
 def check_ops(ops: Sequence[str]) -> tuple[str, ...]:
     """``ops`` as a tuple; ``ValueError`` unless each is one of :data:`OPS`, once."""
-    ops = tuple(ops)
-    unknown = [n for n in ops if n not in OPS]
-    if not ops or unknown or len(set(ops)) != len(ops):
+    problem = ops_problem(ops)
+    if problem is not None:
         raise ValueError(f"supernet ops {list(ops)} are not distinct names of known "
-                         f"operations{f' ({unknown} unknown)' if unknown else ''}.\n"
+                         f"operations ({problem}).\n"
                          f"HINT: choose each at most once from {', '.join(OPS)}.")
-    return ops
+    return tuple(ops)
 
 
 @dataclasses.dataclass
@@ -58,6 +72,8 @@ class PretrainConfig:
         ops: The default supernet's candidate operations of every block, comma-separated,
             from :data:`OPS` (default all four: 256 sub-networks). Without ``identity``
             the smallest sub-network has a convolution in every block (81 with three).
+            Like ``width`` it defines the supernet: a resume with other ops or another
+            width is refused.
         val_archs: Sub-networks evaluated at each epoch end (the same on every rank).
         recal_samples: Training images (over all ranks) used to recalibrate each
             validated sub-network's BatchNorm statistics; 0 evaluates with the shared
@@ -83,7 +99,8 @@ class PretrainConfig:
             streams are reseeded. Not exact; without it such a resume is refused.
         sampling: Which sub-network each rank trains each step: ``uniform`` (each its own
             random draw) or ``sandwich`` (the largest and the smallest beside random
-            ones, four positions rotating over the ranks and steps); see :mod:`hpc.pretrain.sampling`.
+            ones, four positions rotating over the ranks and steps); see
+            :mod:`hpc.pretrain.sampling`.
         distill: In-place distillation: ranks that do not train the largest sub-network
             learn from its soft labels on their own batch. Needs ``sampling="sandwich"``
             (the teacher must be trained every step); refused otherwise.
@@ -94,7 +111,8 @@ class PretrainConfig:
             ``batch_size``, each process running ``virtual_ranks / world`` of them one after
             the other and summing their gradients before the sync. ``None``: one per process
             (the world size). Must be a multiple of the world size. The same value on 1 or
-            2 processes gives bitwise the same run (see :mod:`hpc.pretrain.sampling`).
+            2 processes gives bitwise the same run, and a run resumes exactly on any
+            process count that divides it (see :mod:`hpc.pretrain.learn`).
         max_steps: Stop (with a checkpoint) once this global step is reached, even
             mid-epoch; ``None`` = run all epochs. The schedule still spans ``epochs``.
         progress: Show a tqdm bar on local masters.
@@ -169,11 +187,10 @@ class PretrainConfig:
             problems.append(f"optimizer={self.optimizer!r} (valid: 'sgd', 'adamw')")
         if not 0.0 < self.val_fraction < 1.0:
             problems.append(f"val_fraction={self.val_fraction} (must be in (0, 1))")
-        try:
-            check_ops(self.op_names())
-        except ValueError:
-            problems.append(f"ops={self.ops!r} (comma-separated, each once, from "
-                            f"{', '.join(OPS)})")
+        problem = ops_problem(self.op_names())
+        if problem is not None:
+            problems.append(f"ops={self.ops!r} ({problem}; comma-separated, each once, "
+                            f"from {', '.join(OPS)})")
         if self.sampling not in SAMPLINGS:
             problems.append(f"sampling={self.sampling!r} (valid: {', '.join(SAMPLINGS)})")
         if self.distill_temperature <= 0:
@@ -201,10 +218,16 @@ class PretrainConfig:
         if self.resume != "auto" and self.resume != "never" and not Path(self.resume).exists():
             problems.append(f"resume={self.resume!r} (no such file or directory)")
         if problems:
+            distill = any(p.startswith("distill=True") for p in problems)
             raise ValueError(
                 "invalid pretrain configuration: " + "; ".join(problems) + ".\n"
-                "HINT: change each value named above as its parenthesis says (for "
-                "--distill: add --sampling sandwich).")
+                "HINT: change each value named above as its parenthesis says"
+                + (" (for --distill: add --sampling sandwich)." if distill else "."))
+
+    def __post_init__(self) -> None:
+        # One spelling per space: "conv3x3, conv5x5," is "conv3x3,conv5x5" (config.json,
+        # and the resume's comparison of the spaces).
+        self.ops = ",".join(self.op_names())
 
     def op_names(self) -> tuple[str, ...]:
         """:attr:`ops` as a tuple of names."""

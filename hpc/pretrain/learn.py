@@ -18,6 +18,7 @@ process boundaries change the order of the sums: equal within float rounding.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -30,6 +31,8 @@ from hpc.pretrain.config import PretrainConfig
 from hpc.pretrain.data import PretrainData
 
 __all__ = ["StepLearner", "virtual_ranks", "played_by"]
+
+logger = logging.getLogger(__name__)
 
 
 def virtual_ranks(cfg: PretrainConfig, world: int) -> int:
@@ -70,6 +73,10 @@ class StepLearner:
         self.mine = played_by(rank, world, self.ranks)
         self.buffers = buffers
         self.grad_sync = hpc.GradSync(space)
+        if cfg.overlap and len(self.mine) > 1 and rank == 0:
+            logger.warning("--overlap is off for this run: each process plays %d ranks and "
+                           "syncs once after all their backward passes (same results)",
+                           len(self.mine))
 
     def archs(self, step: int, ranks: range) -> list[Any]:
         """The sub-networks the (virtual) ``ranks`` train at ``step``."""

@@ -210,7 +210,8 @@ class _Run:
         """Resume: load the checkpoint to continue from, or seed this rank's own streams."""
         cfg = self.cfg
         self.pos = pos = resume_mod.restore(cfg, self.run_dir, self.space, self.optimizer,
-                                            self.scheduler, self.rank, self.world, self.spe)
+                                            self.scheduler, self.rank, self.world, self.spe,
+                                            ranks=self.ranks)
         if pos.path is None:
             hpc.seed_everything(derive_seed(cfg.seed, self.rank))  # per-rank streams (dropout etc.)
         self.step, self.start_epoch, self.batch_start = pos.step, pos.epoch, pos.batch
@@ -400,7 +401,9 @@ class _Run:
                 self.describe(a) for a in archs]})
         if self.val_acc:
             logger.info("pretrain %s at step %d: val acc best %.4f mean %.4f; %.0f "
-                        "samples/s over %d ranks%s", self.status, self.step,
+                        "samples/s over %d ranks%s%s", self.status, self.step,
                         result.val_acc_best, result.val_acc_mean, result.samples_per_s,
-                        self.world, f"; run dir {run_dir}" if run_dir else "")
+                        self.ranks, f" on {self.world} processes"
+                        if self.ranks != self.world else "",
+                        f"; run dir {run_dir}" if run_dir else "")
         return result

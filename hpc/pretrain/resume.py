@@ -41,7 +41,7 @@ from hpc.checkpoint.sharded import load_sharded
 from hpc.checkpoint.shardfiles import is_sharded, list_sharded, verify_sharded
 from hpc.checkpoint.storage import preflight_once
 from hpc.errors import CheckpointError
-from hpc.pretrain.config import EXACTNESS_FIELDS, PretrainConfig
+from hpc.pretrain.config import EXACTNESS_FIELDS, SPACE_FIELDS, PretrainConfig
 from hpc.pretrain.space import derive_seed
 
 __all__ = ["Position", "restore", "save", "set_determinism", "FORMAT"]
@@ -127,14 +127,20 @@ def _choose(cfg: PretrainConfig, run_dir: Optional[Path]
 
 def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
             optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, world: int,
-            steps_per_epoch: int) -> Position:
+            steps_per_epoch: int, ranks: Optional[int] = None) -> Position:
     """Load the checkpoint to resume from (if any) into the given objects, on every rank.
+
+    ``ranks``: the ranks the schedule is made for (``virtual_ranks``; default ``world``).
+    A checkpoint of the same schedule resumes exactly on another number of processes
+    (the RNG streams reseeded from ``(seed, rank, step)``: exact for a model whose
+    forward draws no random numbers).
 
     Raises:
         CheckpointError: on every rank, when the chosen checkpoint cannot be used: none
-            loads, a rank cannot read it, or the world size changed without
-            ``cfg.elastic``.
+            loads, a rank cannot read it, it holds another supernet (``SPACE_FIELDS``),
+            or the schedule's ranks changed without ``cfg.elastic``.
     """
+    ranks = ranks or world
     if run_dir is not None:  # where it saves: one directory with room, before step 1
         preflight_once(run_dir / "checkpoints",
                        lambda: projected_bytes(model, optimizer))
@@ -143,14 +149,27 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
         return Position()
     if payload is None:  # sharded: the weights and optimizer state go in place now
         payload = load_sharded(path, model=model, optimizer=optimizer)
-    _warn_config_changes(payload.get("config", {}), cfg)
-    same = check_world_size(payload, path, world, cfg.elastic, "pass --elastic")
+    saved_cfg = payload.get("config", {})
+    _check_space(saved_cfg, cfg, path)
+    _warn_config_changes(saved_cfg, cfg)
+    saved_world = int(payload.get("world_size", world))
+    saved_ranks = int(saved_cfg.get("virtual_ranks") or saved_world)
+    same = check_world_size({"world_size": saved_ranks}, path, ranks, cfg.elastic,
+                            f"pass --virtual-ranks {saved_ranks} (on any number of processes "
+                            "that divides it) for the same run, or --elastic")
     load_states(payload, model=model, optimizer=optimizer, scheduler=scheduler,
-                per_rank=same, path=path)
+                per_rank=same and saved_world == world, path=path)
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
     if not same:
-        batch = _continue_elastic(cfg, path, payload, optimizer, scheduler, rank, world,
+        batch = _continue_elastic(cfg, path, payload, optimizer, scheduler, rank, ranks,
                                   steps_per_epoch)
+    elif saved_world != world:  # the same schedule on other processes
+        hpc.seed_everything(derive_seed(cfg.seed, rank, step))
+        if rank == 0:
+            logger.info("resuming the %d-rank schedule of %s, written by %d process(es), "
+                        "on %d: the same run (RNG streams reseeded from (seed, rank, step), "
+                        "which a forward without random numbers does not read)", ranks,
+                        path, saved_world, world)
     if rank == 0:
         logger.info("resumed from %s: step %d done, next: epoch %d batch %d", path, step,
                     epoch + 1, batch)
@@ -162,13 +181,14 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
 def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
                       optimizer: torch.optim.Optimizer, scheduler: Any, rank: int,
                       world: int, steps_per_epoch: int) -> int:
-    """The batch to continue at after the world size changed (``cfg.elastic`` only).
+    """The batch to continue at after the schedule's ranks changed (``cfg.elastic``
+    only; ``world``: this run's, virtual ones included).
 
     Keeps the sample count of the interrupted epoch, moves the LR schedule to that
     position and reseeds this rank's RNG streams from ``(seed, rank, step)``.
     """
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
-    saved_world = int(payload["world_size"])
+    saved_world = int(payload.get("config", {}).get("virtual_ranks") or payload["world_size"])
     saved_batch = int(payload.get("config", {}).get("batch_size", cfg.batch_size))
     consumed = batch * saved_world * saved_batch
     batch = min(consumed // (world * cfg.batch_size), steps_per_epoch)
@@ -184,6 +204,23 @@ def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
             "RNG streams reseeded from (seed, rank, step)", saved_world, world, path,
             epoch + 1, batch, steps_per_epoch, position, cfg.epochs * steps_per_epoch)
     return batch
+
+
+def _check_space(saved: dict[str, Any], cfg: Any, path: str) -> None:
+    """Refuse (on every rank) a checkpoint whose supernet is not this run's: other
+    ``--ops`` or ``--width`` (its weights belong to another space, or do not fit)."""
+    if not isinstance(cfg, PretrainConfig):
+        return
+    theirs = PretrainConfig.from_dict({k: saved[k] for k in SPACE_FIELDS if k in saved})
+    changed = [f"--{k} {getattr(theirs, k)} (this run: {getattr(cfg, k)})"
+               for k in SPACE_FIELDS if getattr(theirs, k) != getattr(cfg, k)]
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {path} holds a supernet of {', '.join(changed)}.\n"
+            "Its weights belong to that search space: continuing them in another one "
+            "would not be a resume of this run.\n"
+            f"HINT: resume with {' '.join(c.split(' (')[0] for c in changed)}, or start "
+            "a new run (another --out, or --no-resume).")
 
 
 def _warn_config_changes(saved: dict[str, Any], cfg: PretrainConfig) -> None:

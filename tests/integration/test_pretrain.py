@@ -333,7 +333,9 @@ def test_resume_path_no_resume_and_elastic(straight: tuple[Path, Any], tmp_path:
     elastic = tmp_path / "elastic"
     proc = run(1, *TINY, "--resume", str(ckpt), "--max-steps", str(STEPS // 2 + 3),
                "--out", str(elastic))
-    assert proc.returncode == 1 and "pass --elastic" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and ("HINT: relaunch with 2 ranks, or pass --virtual-ranks 2 "
+                                     "(on any number of processes that divides it) for the "
+                                     "same run, or --elastic") in proc.stderr, proc.stderr
     proc = ok(run(1, *TINY, "--elastic", "--resume", str(ckpt), "--max-steps",
                   str(STEPS // 2 + 3), "--out", str(elastic)))
     assert f"world size changed 2 -> 1: resuming from {ckpt} NOT exactly" in proc.stderr
@@ -376,8 +378,9 @@ def test_sandwich_with_distillation_resumes_mid_epoch_bitwise(tmp_path: Path) ->
     """``--sampling sandwich --distill`` on 2 ranks (the four positions, largest, smallest
     and two random, take turns over the steps; the ranks not on the largest learn from its
     soft labels): every step identical across ranks; the same run on 1 process with
-    ``--virtual-ranks 2``; stopped at step 6 (mid-epoch) and resumed, bitwise the
-    uninterrupted run."""
+    ``--virtual-ranks 2``; stopped there at step 6 (mid-epoch) and resumed on 2
+    processes, bitwise the uninterrupted run; a resume in another supernet (other
+    ``--ops`` or ``--width``) is refused."""
     recipe = ["--sampling", "sandwich", "--distill", "--distill-temperature", "2"]
     whole = tmp_path / "whole"
     ok(run(2, *TINY, *recipe, "--check-sync", "--out", str(whole), threads=1))
@@ -390,12 +393,23 @@ def test_sandwich_with_distillation_resumes_mid_epoch_bitwise(tmp_path: Path) ->
     assert_same_state(final_state(whole), final_state(alone))
     assert _losses(alone) == _losses(whole)
     out = tmp_path / "run"
-    ok(run(2, *TINY, *recipe, "--max-steps", "6", "--ckpt-every", "3", "--out", str(out)))
+    ok(run(1, *TINY, *recipe, "--virtual-ranks", "2", "--max-steps", "6", "--ckpt-every",
+           "3", "--out", str(out), threads=1))
     assert result(out)["status"] == "stopped"
-    proc = ok(run(2, *TINY, *recipe, "--out", str(out)))
+    proc = ok(run(2, *TINY, *recipe, "--out", str(out), threads=1))
     assert "resumed from" in proc.stderr and "not exact" not in proc.stderr
+    assert "resuming the 2-rank schedule" in proc.stderr, proc.stderr
     assert_same_state(final_state(whole), final_state(out))
     assert _losses(out) == _losses(whole)
+    # the supernet is part of the run: its weights do not resume in another space
+    for flag, value, said in (("--ops", "conv3x3,conv5x5,sepconv3x3",
+                               "--ops conv3x3,conv5x5,sepconv3x3,identity (this run: "
+                               "conv3x3,conv5x5,sepconv3x3)"),
+                              ("--width", "8", "--width 16 (this run: 8)")):
+        proc = run(2, *TINY, *recipe, flag, value, "--out", str(out))
+        assert proc.returncode == 1 and f"holds a supernet of {said}" in proc.stderr, \
+            proc.stderr
+        assert "HINT: resume with" in proc.stderr and "Traceback" not in proc.stderr
     # the recipe is part of the run: resuming it with another one says so
     plain = tmp_path / "plain"
     ok(run(2, *TINY, *recipe, "--max-steps", "3", "--out", str(plain)))

@@ -169,11 +169,15 @@ def test_supernet_ops_choose_the_candidates_and_bad_ones_are_refused() -> None:
     assert net.describe(net.largest()) == "-".join(["conv5x5"] * 4)
     assert Supernet(width=8).describe(Supernet(width=8).smallest()) == "-".join(
         ["identity"] * 4)
-    for bad in ("conv3x3,conv7x7", "conv3x3,conv3x3", ""):
-        with pytest.raises(ValueError, match="ops="):
+    for bad, why in (("conv3x3,conv7x7", "unknown: conv7x7"),
+                     ("conv3x3,conv3x3", "repeated: conv3x3"), ("", "no operation")):
+        with pytest.raises(ValueError, match=rf"ops='{bad}' \({why}; .*\nHINT: change "
+                           r"each value named above as its parenthesis says\.$"):
             PretrainConfig(ops=bad).validate()
-    with pytest.raises(ValueError, match=r"\['conv7x7'\] unknown.*\nHINT: choose each"):
+    with pytest.raises(ValueError, match=r"\(unknown: conv7x7\)\.\nHINT: choose each"):
         Supernet(ops=("conv3x3", "conv7x7"))
+    # one spelling per space (config.json, and the resume's comparison)
+    assert PretrainConfig(ops=" conv3x3, conv5x5,").ops == "conv3x3,conv5x5"
     # a run directory written before --ops existed reads as the default space
     assert PretrainConfig.from_dict({"width": 8}).op_names() == CANDIDATES
 
