@@ -165,7 +165,8 @@ def load_file(path: Union[str, Path]) -> PretrainData:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist.\n"
-                                "HINT: pass --data with an existing .npz or .pt file.")
+                                "HINT: pass --data with an existing .npz or .pt file, or "
+                                f"one of the built-in sets: {', '.join(BUILTIN)}.")
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as npz:
             tensors = {k: torch.from_numpy(np.asarray(npz[k])) for k in npz.files}

@@ -124,6 +124,9 @@ def test_user_data_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="valid: .npz, .pt"):
         (tmp_path / "d.csv").write_text("x")
         load_file(tmp_path / "d.csv")
+    # a misspelt built-in set (a helper typed digits_hard) is pointed to the real names
+    with pytest.raises(FileNotFoundError, match="built-in sets: digits, digits-hard"):
+        load_file(tmp_path / "digits_hard")
 
 
 def test_config_validation_lists_every_problem() -> None:
