@@ -230,6 +230,7 @@ class _Run:
             return
         write_json(run_dir / "config.json", {
             **self.cfg.to_dict(), "world_size": self.world, "ranks": self.ranks,
+            "torch_threads": torch.get_num_threads(),  # bitwise runs need the same count
             "steps_per_epoch": self.spe,
             "total_steps": self.total_steps, "data_name": data.name, "n_train": self.n_train,
             "n_val": int(data.x_val.shape[0]), "space": type(self.space).__qualname__,

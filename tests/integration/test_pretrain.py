@@ -385,6 +385,7 @@ def test_sandwich_with_distillation_resumes_mid_epoch_bitwise(tmp_path: Path) ->
     whole = tmp_path / "whole"
     ok(run(2, *TINY, *recipe, "--check-sync", "--out", str(whole), threads=1))
     assert result(whole)["sync_checks"] == STEPS
+    assert json.loads((whole / "config.json").read_text())["torch_threads"] == 1
     # one process playing both ranks (--virtual-ranks 2) trains bitwise the same run,
     # with the same torch thread count per process (a convolution's sums depend on it)
     alone = tmp_path / "alone"
