@@ -213,7 +213,7 @@ def check_reducer(torch: Any, dev: Any) -> str:
                       nn.BatchNorm2d(8)).to(dev)
     m(torch.randn(4, 1, 9, 9, device=dev))
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    reducer = StepReducer(m, dev)
+    reducer = StepReducer(m, dev, ranks=2)
     reducer.world = 2  # the one-rank all_reduce is the identity: buffers halve
     stats = reducer(torch.tensor(6.0, device=dev), torch.tensor(3, device=dev), 8, False)
     if (stats.loss, stats.acc, stats.samples, stats.stop) != (0.75, 0.375, 8, False):
