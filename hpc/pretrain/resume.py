@@ -153,7 +153,7 @@ def restore(cfg: PretrainConfig, run_dir: Optional[Path], model: nn.Module,
     _check_space(saved_cfg, cfg, path)
     _warn_config_changes(saved_cfg, cfg)
     saved_world = int(payload.get("world_size", world))
-    saved_ranks = int(saved_cfg.get("virtual_ranks") or saved_world)
+    saved_ranks = schedule_ranks(payload, world)
     same = check_world_size({"world_size": saved_ranks}, path, ranks, cfg.elastic,
                             f"pass --virtual-ranks {saved_ranks} (on any number of processes "
                             "that divides it) for the same run, or --elastic")
@@ -188,7 +188,7 @@ def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
     position and reseeds this rank's RNG streams from ``(seed, rank, step)``.
     """
     step, epoch, batch = int(payload["step"]), int(payload["epoch"]), int(payload["batch"])
-    saved_world = int(payload.get("config", {}).get("virtual_ranks") or payload["world_size"])
+    saved_world = schedule_ranks(payload, world)
     saved_batch = int(payload.get("config", {}).get("batch_size", cfg.batch_size))
     consumed = batch * saved_world * saved_batch
     batch = min(consumed // (world * cfg.batch_size), steps_per_epoch)
@@ -204,6 +204,13 @@ def _continue_elastic(cfg: PretrainConfig, path: str, payload: dict[str, Any],
             "RNG streams reseeded from (seed, rank, step)", saved_world, world, path,
             epoch + 1, batch, steps_per_epoch, position, cfg.epochs * steps_per_epoch)
     return batch
+
+
+def schedule_ranks(payload: dict[str, Any], world: int) -> int:
+    """The ranks a checkpoint's schedule was made for: its ``virtual_ranks``, else the
+    processes that wrote it (``world`` when it does not say)."""
+    saved = payload.get("config", {}).get("virtual_ranks")
+    return int(saved or payload.get("world_size", world))
 
 
 def _check_space(saved: dict[str, Any], cfg: Any, path: str) -> None:
