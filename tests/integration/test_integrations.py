@@ -141,6 +141,7 @@ def test_accelerate_under_real_mpirun_takes_hpcs_layout(tmp_path: Path) -> None:
     rows = re.findall(r"rank (\d): accelerate 2 processes, index (\d) local (\d) "
                       r"\(DistributedType.MULTI_CPU\); done step 32 digest (\w+) run ([\w-]+)",
                       proc.stdout)
-    assert sorted((r, i, loc) for r, i, loc, _, _ in rows) == [("0", "0", "0"), ("1", "1", "1")]
+    assert sorted((r, i, loc) for r, i, loc, _, _ in rows) == [("0", "0", "0"), ("1", "1", "1")], \
+        proc.stdout[-3000:]
     assert len({(d, rid) for *_, d, rid in rows}) == 1, rows
     assert "initialised openmpi rank 0/2" in proc.stderr, proc.stderr
