@@ -177,7 +177,10 @@ class TuneConfig:
             problems.append(f"max_steps={self.max_steps} (must be >= 1 or unset)")
         if self.resume not in ("auto", "never") and not Path(self.resume).exists():
             problems.append(f"resume={self.resume!r} (no such file or directory)")
-        if not (Path(self.search) / "search.json").is_file():
+        if not Path(self.search).is_dir():
+            problems.append(f"search={self.search!r} (no such directory; pass the --out "
+                            "of an hpc search)")
+        elif not (Path(self.search) / "search.json").is_file():
             problems.append(f"search={self.search!r} (holds no search.json; pass the "
                             "--out of an hpc search)")
         _problems_to_error("tune", problems, "tune")

@@ -166,6 +166,8 @@ def test_settings_refuse_impossible_values(tmp_path: Path) -> None:
     assert SearchConfig(run=str(tmp_path)).out_dir == tmp_path / "search"
     with pytest.raises(ValueError, match="holds no search.json"):
         TuneConfig(search=str(tmp_path)).validate()
+    with pytest.raises(ValueError, match=r"'\S*nope' \(no such directory; pass the --out"):
+        TuneConfig(search=str(tmp_path / "nope")).validate()
     assert TuneConfig(search="s", from_scratch=True).out_dir == Path("s/scratch")
 
 
