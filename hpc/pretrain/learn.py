@@ -142,22 +142,21 @@ class StepLearner:
         statistics; the buffers end as the sum of theirs."""
         bufs = self.buffers
         start = [b.clone() for b in bufs]
-        summed: list[Tensor] = []
-        loss_sum, right_sum, count = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
-        for j, (arch, idx) in enumerate(zip(archs, idxs)):
-            if j:
-                for b, s0 in zip(bufs, start):
-                    b.copy_(s0)
-            loss, right, n = self.loss(arch, idx)
-            loss.backward()  # gradients accumulate in order: g_0 + g_1 + ...
-            if j == 0:
-                summed = [b.clone() for b in bufs]
-                loss_sum, right_sum = loss.detach() * n, right
-            else:
-                for acc, b in zip(summed, bufs):
-                    acc.add_(b)
-                loss_sum, right_sum = loss_sum + loss.detach() * n, right_sum + right
-            count += n
+        loss_sum, right, count = self._backward(archs[0], idxs[0])
+        summed = [b.clone() for b in bufs]
+        for arch, idx in zip(archs[1:], idxs[1:]):
+            for b, s0 in zip(bufs, start):
+                b.copy_(s0)
+            loss, r, n = self._backward(arch, idx)  # gradients add in order: g_0 + g_1 + ...
+            for acc, b in zip(summed, bufs):
+                acc.add_(b)
+            loss_sum, right, count = loss_sum + loss, right + r, count + n
         for b, acc in zip(bufs, summed):
             b.copy_(acc)
-        return loss_sum, right_sum, count
+        return loss_sum, right, count
+
+    def _backward(self, arch: Any, idx: Tensor) -> tuple[Tensor, Tensor, int]:
+        """:meth:`loss` and its backward: ``loss x batch``, number right, batch size."""
+        loss, right, n = self.loss(arch, idx)
+        loss.backward()
+        return loss.detach() * n, right, n
