@@ -164,7 +164,7 @@ class ShmLane:
         twice a mean's bytes instead of ``world size`` times; every element is summed in
         the same rank order either way, so the bits are the same.
         """
-        _barrier(group)
+        barrier(group)
         outs = [arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel) for b in plan]
         if not self.scatter:
             for b, out in zip(plan, outs):
@@ -176,7 +176,7 @@ class ShmLane:
                 else:
                     self.reduce_slice(b.slot, out)
             if any(b.kind == "mean" for b in plan):
-                _barrier(group)  # every rank has published its slices
+                barrier(group)  # every rank has published its slices
                 for b, out in zip(plan, outs):
                     if b.kind == "mean":
                         self.gather_slices(b.slot, out)
@@ -206,7 +206,7 @@ class ShmLane:
         per = _ceil(_ceil(numel, ws), block) * block
         return [(min(numel, r * per), min(numel, (r + 1) * per)) for r in range(ws)]
 
-    def _part(self, rank: int, offset: int, lo: int, hi: int,
+    def part(self, rank: int, offset: int, lo: int, hi: int,
               dtype: torch.dtype) -> torch.Tensor:
         return self.slot(rank, offset + lo * dtype.itemsize, hi - lo, dtype)
 
@@ -217,22 +217,30 @@ class ShmLane:
         lo, hi = self.slices(out.numel(), out.itemsize)[self.rank]
         if lo == hi:
             return
-        dtype, mine = out.dtype, out[lo:hi]
-        parts = [self._part(r, offset, lo, hi, dtype) for r in range(len(self.regions))]
-        torch.add(parts[0], parts[1], out=mine)
+        mine = out[lo:hi]
+        self.sum_part(offset, lo, hi, mine)
+        self.part(self.rank, offset, lo, hi, out.dtype).copy_(mine)
+
+    def sum_part(self, offset: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of the slot at ``offset`` summed over every rank's
+        region, in rank order, into ``out`` (``hi - lo`` elements)."""
+        parts = [self.part(r, offset, lo, hi, out.dtype) for r in range(len(self.regions))]
+        if len(parts) == 1:
+            out.copy_(parts[0])
+            return
+        torch.add(parts[0], parts[1], out=out)
         for extra in parts[2:]:
-            mine.add_(extra)
-        parts[self.rank].copy_(mine)
+            out.add_(extra)
 
     def gather_slices(self, offset: int, out: torch.Tensor) -> None:
         """The other ranks' slices of a mean, as they published them (after the second
         barrier)."""
         for r, (lo, hi) in enumerate(self.slices(out.numel(), out.itemsize)):
             if r != self.rank and lo < hi:
-                out[lo:hi].copy_(self._part(r, offset, lo, hi, out.dtype))
+                out[lo:hi].copy_(self.part(r, offset, lo, hi, out.dtype))
 
 
-def _barrier(group: Optional[Any]) -> None:
+def barrier(group: Optional[Any]) -> None:
     """Every rank of ``group`` got here (a gloo collective: also a full memory barrier)."""
     start_max(torch.zeros(1, dtype=torch.int64), group, "barrier").wait()
 
@@ -414,7 +422,7 @@ def open_lane(half: int, group: Optional[Any], want: Optional[bool],
         lane, why = None, ("it applies to CPU parameters on a backend that moves CPU "
                            "tensors, without match_ddp at world size 3 or more")
     else:
-        lane, why = _open(half, group, want)
+        lane, why = try_open(half, group, want)
     if lane is None and (want or required):
         if required:
             raise HPCError(
@@ -427,7 +435,7 @@ def open_lane(half: int, group: Optional[Any], want: Optional[bool],
     return lane
 
 
-def _open(half: int, group: Optional[Any], want: bool) -> tuple[Optional[ShmLane], str]:
+def try_open(half: int, group: Optional[Any], want: bool) -> tuple[Optional[ShmLane], str]:
     everyone, token = _agree(want, group)
     if not everyone:
         return None, "not requested on every rank"
