@@ -43,7 +43,8 @@ from hpc.sync._collective import (
 )
 from hpc.sync._pack import Layout
 from hpc.sync._plan import Arena, Bucket, local_mask, make_plan, trainable
-from hpc.sync._shm import ShmLane, half_bytes, lane_wanted, open_lane
+from hpc.sync._nodes import NodeLane, open_exchange
+from hpc.sync._shm import ShmLane, half_bytes, lane_wanted
 from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 from hpc.watchdog import tracker
 
@@ -132,7 +133,8 @@ class GradSync:
         self._hooks: list[Any] = []
         self._ddp_buckets: Optional[list[list[int]]] = None
         self._users_checked = False
-        self._lane: Optional[ShmLane] = None  # the shared-memory exchange, if opened
+        # the shared-memory exchange (one host, or node by node), if opened
+        self._lane: Optional[Union[ShmLane, NodeLane]] = None
 
     # ------------------------------------------------------------------ public
     def sync(self, users: Optional[Users] = None) -> None:
@@ -203,8 +205,8 @@ class GradSync:
         if not self._checked:
             check_same_tensors(self.named, "sync_gradients", self.group)
             want = lane_wanted(self.shm, self.params, self.match_ddp, self.group)
-            self._lane = open_lane(half_bytes(self._numels, self._itemsizes), self.group,
-                                   want, bool(self.shm))
+            self._lane = open_exchange(half_bytes(self._numels, self._itemsizes),
+                                       self.group, want, bool(self.shm))
             self._checked = True
 
     def _given(self, mine: torch.Tensor, users: Users, ws: int,
@@ -353,6 +355,7 @@ class GradSync:
                     sent += 1
             barriers = None if self._lane is None else self._lane.barriers(plan)
             self.stats = self._layout.stats(plan, sent, barriers)
+            self.stats["across_nodes"] = int(isinstance(self._lane, NodeLane))
         finally:
             self._arena.end_step()
 

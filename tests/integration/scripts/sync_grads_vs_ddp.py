@@ -176,7 +176,8 @@ def main() -> int:
     wire = (gs.stats["broadcast_bytes"] + gs.stats["mean_bytes"]) / sent
     print(f"RESULT ok rank={rank} ws={ws} steps={args.steps} bitwise_vs_ddp={same} "
           f"differing_grad_elements={differing} max_abs={worst:.3g} "
-          f"wire_bytes_per_element={wire:.1f} shared_memory={gs.stats['shared_memory']}",
+          f"wire_bytes_per_element={wire:.1f} shared_memory={gs.stats['shared_memory']} "
+          f"across_nodes={gs.stats['across_nodes']}",
           flush=True)
     return 0
 

@@ -1,0 +1,245 @@
+"""Gradient exchange across hosts, node by node (internal): :class:`NodeLane`.
+
+Where a group's ranks span several hosts with several ranks on each, gloo's flat ring
+knows nothing of hosts: with 2 nodes x 2 ranks every hop that crosses nodes carries
+~1.5x a mean's bytes. Here, per step:
+
+1. every rank packs into its region of its node's shared memory (:class:`~hpc.sync._shm.
+   ShmLane` over the node's ranks) and the node's ranks meet in a barrier;
+2. each rank takes *its slice* of every bucket (slice ``l`` of ``L`` for the node's rank
+   ``l``): of a mean, the sum over its node's regions (in local rank order); of a
+   broadcast whose owner is on this node, the owner's slice. It then exchanges that
+   slice with the ranks of the same local index on the other nodes (one *cross* group
+   per local index): a summing ``all_reduce`` for a mean, a ``broadcast`` from the
+   owner's node for a broadcast. Every rank's link carries ``1/L`` of the traffic, and a
+   node sends about ``2 (N-1)/N`` of a mean's bytes (all-reduce's minimum), not ``1.5x``;
+3. each rank publishes its slice in its own region, a second barrier, and every rank
+   copies the others' slices.
+
+Results are bitwise equal on every rank: a slice is summed once per node, in a fixed
+order, and the cross-node collective hands the same bits to every node; the other ranks
+copy them. The order of the sums differs from DDP's ring (within rounding; documented).
+
+It applies when :func:`hierarchy_problem` finds none: two or more nodes, the same number
+of ranks (two or more) on each. Otherwise a group spread over hosts keeps the process
+group's own transport, and a group on one host the one-host lane; the choice is made from
+one gathered list, so identically on every rank (:func:`open_exchange`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hpc.errors import HPCError
+from hpc.sync._shm import SHM_DIR, ShmLane, barrier, open_lane, try_open
+from hpc.sync.agree import all_true
+
+__all__ = ["NodeLane", "Topology", "node_key", "topology_of", "hierarchy_problem",
+           "open_exchange"]
+
+logger = logging.getLogger(__name__)
+
+
+def node_key() -> str:
+    """What ranks that can share memory have in common: the host's name and the device
+    of its ``/dev/shm`` (containers on one host with a private ``/dev/shm`` each are
+    different nodes for this purpose; the lane's opening checks it anyway)."""
+    try:
+        dev = os.stat(SHM_DIR).st_dev
+    except OSError:
+        dev = -1
+    return f"{socket.gethostname()}:{dev}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The group's ranks by node: ``nodes[n]`` lists node ``n``'s group ranks in
+    order; nodes are numbered by their first rank."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    def node_of(self, rank: int) -> int:
+        return next(n for n, ranks in enumerate(self.nodes) if rank in ranks)
+
+    def local_of(self, rank: int) -> int:
+        return self.nodes[self.node_of(rank)].index(rank)
+
+
+def topology_of(keys: Sequence[str]) -> Topology:
+    """Pure: the nodes of a group whose rank ``r`` reported ``keys[r]``."""
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        nodes.setdefault(key, []).append(rank)
+    return Topology(tuple(tuple(r) for r in nodes.values()))
+
+
+def hierarchy_problem(topo: Topology) -> Optional[str]:
+    """Why the node-by-node exchange does not apply to ``topo`` (None: it does)."""
+    counts = [len(r) for r in topo.nodes]
+    if len(counts) < 2:
+        return "every rank is on one node"
+    if len(set(counts)) > 1:
+        return (f"the nodes run different numbers of ranks ({', '.join(map(str, counts))}"
+                "), so the ranks of one local index do not make a group on every node")
+    if counts[0] < 2:
+        return "one rank per node: there is nothing to share inside a node"
+    return None
+
+
+class NodeLane:
+    """This rank's view of the node-by-node exchange (see the module docstring).
+
+    Args:
+        lane: The node's shared-memory lane (its ranks are the node's local ranks).
+        topo: The group's nodes.
+        rank: This rank in the group.
+        local_group, cross_group: This rank's node, and its local index across nodes.
+        cross_ranks: Global rank of each node's member of ``cross_group``.
+    """
+
+    def __init__(self, lane: ShmLane, topo: Topology, rank: int, local_group: Any,
+                 cross_group: Any, cross_ranks: Sequence[int]) -> None:
+        self.lane, self.topo, self.rank = lane, topo, rank
+        self.node = topo.node_of(rank)
+        self.local_group, self.cross_group = local_group, cross_group
+        self.cross_ranks = list(cross_ranks)
+        self._node_of = {r: n for n, ranks in enumerate(topo.nodes) for r in ranks}
+        self._local_of = {r: ranks.index(r) for ranks in topo.nodes for r in ranks}
+
+    @property
+    def nodes(self) -> int:
+        return len(self.topo.nodes)
+
+    def place(self, plan: Sequence[Any]) -> None:
+        """Start a step: every bucket's slot; ``flat`` = this rank's slot where it packs
+        (its own broadcasts, every mean), else None."""
+        self.lane.begin_step()
+        sizes = [b.numel * b.key[1].itemsize for b in plan]
+        for b, off in zip(plan, ShmLane.offsets(sizes)):
+            b.slot = off
+            mine = b.kind == "mean" or b.owner == self.rank
+            b.flat = self.lane.slot(self.lane.rank, off, b.numel, b.key[1]) if mine else None
+
+    def exchange(self, plan: Sequence[Any], arena: Any, group: Optional[Any]) -> None:
+        """After packing: every bucket's result into a private buffer from ``arena``."""
+        lane = self.lane
+        barrier(self.local_group)  # the node has packed
+        outs = [arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel) for b in plan]
+        works, parts = [], []
+        for b, out in zip(plan, outs):
+            lo, hi = lane.slices(out.numel(), out.itemsize)[lane.rank]
+            if lo == hi:
+                parts.append(None)
+                continue
+            part = out[lo:hi]
+            if b.kind == "mean":
+                lane.sum_part(b.slot, lo, hi, part)
+                works.append(dist.all_reduce(part, group=self.cross_group, async_op=True))
+            else:
+                node = self._node_of[b.owner]
+                if node == self.node:
+                    part.copy_(lane.part(self._local_of[b.owner], b.slot, lo, hi, out.dtype))
+                works.append(dist.broadcast(part, self.cross_ranks[node],
+                                            group=self.cross_group, async_op=True))
+            parts.append(part)
+        from hpc.watchdog import tracker
+
+        for work in works:
+            tracker.wait(work)
+        for b, out, part in zip(plan, outs, parts):
+            if part is not None and b.owner != self.rank:
+                lo, hi = lane.slices(out.numel(), out.itemsize)[lane.rank]
+                lane.part(lane.rank, b.slot, lo, hi, out.dtype).copy_(part)
+        barrier(self.local_group)  # every rank of the node has published its slices
+        for b, out in zip(plan, outs):
+            lane.gather_slices(b.slot, out)
+            b.flat = out
+
+    def barriers(self, plan: Sequence[Any]) -> int:
+        """Collectives :meth:`exchange` runs for ``plan`` on this rank: two barriers in
+        the node, one cross-node collective per bucket with a slice for this rank."""
+        def has_slice(b: Any) -> bool:
+            lo, hi = self.lane.slices(b.numel, b.key[1].itemsize)[self.lane.rank]
+            return lo < hi
+        return 2 + sum(map(has_slice, plan))
+
+
+#: Per group (None: the world): its topology and the subgroups built for it, once per
+#: process (each gloo group opens connections: never one per GradSync).
+_SUBGROUPS: dict[Any, tuple[Topology, Any, Any, list[int]]] = {}
+
+
+def _subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int]]:
+    """This rank's node group and cross group (built once per group and process)."""
+    key = group
+    cached = _SUBGROUPS.get(key)
+    if cached is not None and cached[0] == topo:
+        return cached[1], cached[2], cached[3]
+    rank = dist.get_rank(group)
+
+    def world(ranks: Sequence[int]) -> list[int]:
+        return [r if group is None else dist.get_global_rank(group, r) for r in ranks]
+
+    node = topo.node_of(rank)
+    local = topo.nodes[node].index(rank)
+    cross = [ranks[local] for ranks in topo.nodes]
+    # Only the members of each group take part in building it (use_local_synchronization),
+    # each building its node's group first, then its cross group: no rank waits for a
+    # group it is not in.
+    local_group = dist.new_group(world(topo.nodes[node]), use_local_synchronization=True)
+    cross_group = dist.new_group(world(cross), use_local_synchronization=True)
+    _SUBGROUPS[key] = (topo, local_group, cross_group, world(cross))
+    return local_group, cross_group, world(cross)
+
+
+def open_exchange(half: int, group: Optional[Any], want: Optional[bool],
+                  required: bool = False) -> Optional[Any]:
+    """Collectively open the shared-memory exchange that fits the group: the one-host
+    :class:`~hpc.sync._shm.ShmLane` when every rank is on one node, a :class:`NodeLane`
+    across nodes (:func:`hierarchy_problem`), or None (the same on every rank).
+
+    ``want`` from :func:`~hpc.sync._shm.lane_wanted` (None: decided without asking);
+    ``required``: raise :class:`HPCError` instead of returning None."""
+    if want is None:
+        return open_lane(half, group, want, required)
+    mine = (node_key(), bool(want))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    topo = topology_of([k for k, _ in gathered])
+    everyone = all(w for _, w in gathered)
+    if len(topo.nodes) == 1 or not everyone:
+        return open_lane(half, group, want, required)
+    why = hierarchy_problem(topo)
+    lane = None if why else _open_nodes(half, topo, group)
+    if lane is None:
+        why = why or "a node could not open its shared memory"
+        if required:
+            raise HPCError(
+                f"sync_gradients: shm=True, but the shared-memory exchange across "
+                f"{len(topo.nodes)} nodes cannot be opened: {why}.\nIt needs the same "
+                "number of ranks (2 or more) on every node, each node's ranks seeing one "
+                f"{SHM_DIR}.\nHINT: launch as many ranks on every node (Slurm: "
+                "--ntasks-per-node), or pass shm=None to fall back to the process "
+                "group's own transport.")
+        logger.info("sync_gradients: no node-by-node exchange across %d nodes (%s); "
+                    "using the process group's transport", len(topo.nodes), why)
+    return lane
+
+
+def _open_nodes(half: int, topo: Topology, group: Optional[Any]) -> Optional[NodeLane]:
+    """Every node opens its lane; a :class:`NodeLane` where all could, else None (on
+    every rank)."""
+    rank = dist.get_rank(group)
+    local_group, cross_group, cross_ranks = _subgroups(topo, group)
+    lane, _ = try_open(half, local_group, True)
+    if not all_true(lane is not None, group) or lane is None:
+        return None
+    return NodeLane(lane, topo, rank, local_group, cross_group, cross_ranks)
