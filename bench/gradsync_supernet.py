@@ -35,6 +35,16 @@ Run (2 ranks, gloo, one table per batch size and group on rank 0)::
 
     flock /tmp/hpc-heavy.lock hpc run --nproc 2 -- python bench/gradsync_supernet.py
 
+Across nodes (``bench/cluster_sync.sh``: the test cluster's nodes, each link shaped by
+``tc``), ``--iface eth0`` also prints the bytes each node sent per step (its interface's
+``tx_bytes``, median over the windows, the busiest node), and for the GradSync modes the
+minimum of what the mode moves: ``(N-1)/N x (2 x mean bytes + broadcast bytes)`` per node
+and step on N nodes, averaged over the nodes (an all-reduce's and a broadcast's lower
+bounds; for DDP every gradient is a mean)::
+
+    srun -p four -N2 --ntasks-per-node=2 python bench/gradsync_supernet.py --groups hpc \
+        --iface eth0 --modes nosync,ddp,users-tcp,users,overlap,bf16
+
 Options: ``--batches 256,64`` (compute- and communication-bound), ``--steps 20`` timed
 steps per window, ``--repeats 5`` windows per mode (median), ``--dim 448``,
 ``--blocks 8``, ``--profile`` (where one ``sync`` step's time goes, per phase),
@@ -133,6 +143,8 @@ class Runner:
         self.sync: Optional[Callable[[int], None]] = None
         self.scatter: Optional[bool] = None  # force the shm lane's way of combining
         self.backward: Callable[[torch.Tensor, int], None] = lambda loss, k: loss.backward()
+        self.wire: list[float] = []  # per window: what an all-reduce/broadcast must move
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if mode.startswith("ddp"):
             self.net = nn.parallel.DistributedDataParallel(
                 self.model, find_unused_parameters=True, process_group=group)
@@ -161,13 +173,17 @@ class Runner:
         return [self.model.used(path_of(r, k, blocks)) for r in range(self.ws)]
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
-            start: int, steps: int) -> float:
-        """Time ``steps`` training steps; returns seconds (all ranks done)."""
-        lane = getattr(getattr(self, "gs", None), "_lane", None)  # opened by a first sync
+            start: int, steps: int, iface: str = "") -> tuple[float, int]:
+        """Time ``steps`` training steps: (seconds, all ranks done; bytes ``iface``
+        sent meanwhile, 0 without ``iface``)."""
+        gs = getattr(self, "gs", None)
+        lane = getattr(gs, "_lane", None)  # opened by a first sync
         if lane is not None and self.scatter is not None:
             lane.scatter = self.scatter
         dist.barrier(group=self.group)
+        tx0 = tx_bytes(iface)
         t0 = time.perf_counter()
+        wire = 0
         for k in range(start, start + steps):
             x, y = batches[k % len(batches)]
             self.opt.zero_grad(set_to_none=True)
@@ -175,9 +191,42 @@ class Runner:
             self.backward(nn.functional.cross_entropy(self.net(x, path), y), k)
             if self.sync is not None:
                 self.sync(k)
+            if gs is not None:
+                wire += 2 * gs.stats["mean_bytes"] + gs.stats["broadcast_bytes"]
+            elif self.mode.startswith("ddp"):  # an all-reduce of every gradient
+                wire += 2 * self.grad_bytes // (2 if self.mode == "ddp-bf16" else 1)
             self.opt.step()
         dist.barrier(group=self.group)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.wire.append(wire / steps)
+        return elapsed, tx_bytes(iface) - tx0
+
+
+def tx_bytes(iface: str) -> int:
+    """Bytes this node's ``iface`` has sent (0 without one). From ``/proc/self/net/dev``,
+    which shows this process's network namespace (``/sys/class/net`` shows the one
+    sysfs was mounted in: the host's, inside the test cluster's nodes)."""
+    if not iface:
+        return 0
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == iface:
+                return int(counters.split()[8])  # receive has 8 columns, then transmit
+    raise SystemExit(f"--iface {iface}: no such interface in /proc/self/net/dev")
+
+
+def per_node_tx(sent: dict[tuple[str, str], list[int]], steps: int, info: hpc.DistInfo
+                ) -> Optional[dict[tuple[str, str], list[float]]]:
+    """On rank 0: per mode, each node's median bytes sent per step (read by the node's
+    local rank 0); None elsewhere."""
+    mine = (os.uname().nodename, info.local_rank, sent)
+    every: list[Any] = [None] * info.world_size
+    dist.all_gather_object(every, mine)
+    if info.rank != 0:
+        return None
+    nodes = [s for _, local, s in every if local == 0]
+    return {key: [statistics.median(s[key]) / steps for s in nodes] for key in sent}
 
 
 def bench(batch: int, args: argparse.Namespace, info: hpc.DistInfo,
@@ -191,11 +240,16 @@ def bench(batch: int, args: argparse.Namespace, info: hpc.DistInfo,
     runners = {(g, m): Runner(m, base, groups[g]) for g in groups for m in args.modes}
     for r in runners.values():  # warm up (allocations, DDP's first iteration)
         r.run(batches, info.rank, 0, args.warmup)
+        r.wire.clear()
     times: dict[tuple[str, str], list[float]] = {k: [] for k in runners}
+    sent: dict[tuple[str, str], list[int]] = {k: [] for k in runners}
     for rep in range(args.repeats):
         for key, r in runners.items():
             start = args.warmup + rep * args.steps
-            times[key].append(r.run(batches, info.rank, start, args.steps))
+            elapsed, tx = r.run(batches, info.rank, start, args.steps, args.iface)
+            times[key].append(elapsed)
+            sent[key].append(tx)
+    tx_per_node = per_node_tx(sent, args.steps, info) if args.iface else None
     if info.rank != 0:
         return
     for g, group in groups.items():
@@ -204,10 +258,18 @@ def bench(batch: int, args: argparse.Namespace, info: hpc.DistInfo,
               f"{info.world_size}, group {g!r} ({describe_group(group)}), "
               f"{torch.get_num_threads()} thread(s)/rank, {args.repeats}x{args.steps} "
               f"steps, median")
-        print(f"{'mode':<10} {'steps/s':>8} {'vs ddp':>7} {'vs nosync':>9}")
+        wire = f" {'MB/node/step':>12} {'vs min':>6}" if tx_per_node else ""
+        print(f"{'mode':<10} {'steps/s':>8} {'vs ddp':>7} {'vs nosync':>9}{wire}")
+        nodes = info.world_size // info.local_world_size
         for mode in args.modes:
             rel = f"{rates[mode] / rates['ddp']:.2f}" if "ddp" in rates else "-"
             ceil = f"{rates[mode] / rates['nosync']:.2f}" if "nosync" in rates else "-"
+            if tx_per_node:
+                busiest = max(tx_per_node[g, mode])
+                r = runners[g, mode]
+                least = (nodes - 1) / nodes * statistics.median(r.wire) if r.wire[-1] else 0
+                rel_min = f"{busiest / least:.2f}" if least else "-"
+                ceil += f" {busiest / 1e6:12.2f} {rel_min:>6}"
             print(f"{mode:<10} {rates[mode]:8.2f} {rel:>7} {ceil:>9}")
     sys.stdout.flush()
 
@@ -224,6 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        "overlap,users-tcp,ddp-bf16,bf16")
     ap.add_argument("--groups", default="hpc,plain")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank")
+    ap.add_argument("--iface", default="",
+                    help="print the bytes each node sent per step through this interface")
     ap.add_argument("--profile", action="store_true",
                     help="print where a GradSync step's time goes instead")
     ap.add_argument("--combine", default="auto",
