@@ -42,8 +42,8 @@ from hpc.errors import HPCError
 from hpc.sync._shm import SHM_DIR, ShmLane, barrier, open_lane, try_open
 from hpc.sync.agree import all_true
 
-__all__ = ["NodeLane", "Topology", "node_key", "topology_of", "hierarchy_problem",
-           "open_exchange"]
+__all__ = ["NodeLane", "NodeBroadcast", "Topology", "node_key", "topology_of", "topology",
+           "hierarchy_problem", "subgroups", "open_exchange", "node_broadcast"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,17 +172,39 @@ class NodeLane:
         return 2 + sum(map(has_slice, plan))
 
 
-#: Per group (None: the world): its topology and the subgroups built for it, once per
-#: process (each gloo group opens connections: never one per GradSync).
-_SUBGROUPS: dict[Any, tuple[Topology, Any, Any, list[int]]] = {}
+#: Per group (None: the world): its topology, gathered once per process.
+_TOPOLOGY: dict[Any, Topology] = {}
+#: Per group: this rank's node group, cross group and the cross group's global ranks,
+#: built once per process (each gloo group opens connections: never one per call).
+_SUBGROUPS: dict[Any, tuple[Any, Any, list[int]]] = {}
 
 
-def _subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int]]:
-    """This rank's node group and cross group (built once per group and process)."""
-    key = group
-    cached = _SUBGROUPS.get(key)
-    if cached is not None and cached[0] == topo:
-        return cached[1], cached[2], cached[3]
+def topology(group: Optional[Any]) -> Topology:
+    """The group's ranks by node (:func:`node_key`); collective on the first call per
+    group and process (one ``all_gather_object``), cached after it."""
+    key = _key(group)
+    topo = _TOPOLOGY.get(key)
+    if topo is None:
+        keys: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, node_key(), group=group)
+        topo = _TOPOLOGY[key] = topology_of(keys)
+    return topo
+
+
+def _key(group: Optional[Any]) -> Any:
+    """The process group object itself (a new world after a re-initialisation is a new
+    key: nothing cached for the old one is reused)."""
+    return dist.group.WORLD if group is None else group
+
+
+def subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int]]:
+    """This rank's node group, its cross group (the ranks of its local index on every
+    node) and the cross group's members as global ranks, node by node. Built once per
+    group and process, only by their members (``use_local_synchronization``), each rank
+    its node's group first: no rank waits for a group it is not in."""
+    cached = _SUBGROUPS.get(_key(group))
+    if cached is not None:
+        return cached
     rank = dist.get_rank(group)
 
     def world(ranks: Sequence[int]) -> list[int]:
@@ -190,14 +212,11 @@ def _subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int
 
     node = topo.node_of(rank)
     local = topo.nodes[node].index(rank)
-    cross = [ranks[local] for ranks in topo.nodes]
-    # Only the members of each group take part in building it (use_local_synchronization),
-    # each building its node's group first, then its cross group: no rank waits for a
-    # group it is not in.
+    cross = world([ranks[local] for ranks in topo.nodes])
     local_group = dist.new_group(world(topo.nodes[node]), use_local_synchronization=True)
-    cross_group = dist.new_group(world(cross), use_local_synchronization=True)
-    _SUBGROUPS[key] = (topo, local_group, cross_group, world(cross))
-    return local_group, cross_group, world(cross)
+    cross_group = dist.new_group(cross, use_local_synchronization=True)
+    cached = _SUBGROUPS[_key(group)] = (local_group, cross_group, cross)
+    return cached
 
 
 def open_exchange(half: int, group: Optional[Any], want: Optional[bool],
@@ -210,17 +229,14 @@ def open_exchange(half: int, group: Optional[Any], want: Optional[bool],
     ``required``: raise :class:`HPCError` instead of returning None."""
     if want is None:
         return open_lane(half, group, want, required)
-    mine = (node_key(), bool(want))
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    topo = topology_of([k for k, _ in gathered])
-    everyone = all(w for _, w in gathered)
-    if len(topo.nodes) == 1 or not everyone:
+    topo = topology(group)
+    if len(topo.nodes) == 1:
         return open_lane(half, group, want, required)
     why = hierarchy_problem(topo)
-    lane = None if why else _open_nodes(half, topo, group)
+    lane = None
+    if why is None:
+        lane, why = _open_nodes(half, topo, group, want)
     if lane is None:
-        why = why or "a node could not open its shared memory"
         if required:
             raise HPCError(
                 f"sync_gradients: shm=True, but the shared-memory exchange across "
@@ -234,12 +250,55 @@ def open_exchange(half: int, group: Optional[Any], want: Optional[bool],
     return lane
 
 
-def _open_nodes(half: int, topo: Topology, group: Optional[Any]) -> Optional[NodeLane]:
-    """Every node opens its lane; a :class:`NodeLane` where all could, else None (on
-    every rank)."""
-    rank = dist.get_rank(group)
-    local_group, cross_group, cross_ranks = _subgroups(topo, group)
-    lane, _ = try_open(half, local_group, True)
+def _open_nodes(half: int, topo: Topology, group: Optional[Any], want: bool
+                ) -> tuple[Optional[NodeLane], str]:
+    """Every node opens its lane (agreeing ``want`` inside the node); a
+    :class:`NodeLane` where every node could, else None and why (on every rank)."""
+    local_group, cross_group, cross_ranks = subgroups(topo, group)
+    lane, why = try_open(half, local_group, want)
     if not all_true(lane is not None, group) or lane is None:
+        return None, why or "another node could not open its shared memory"
+    return NodeLane(lane, topo, dist.get_rank(group), local_group, cross_group,
+                    cross_ranks), ""
+
+
+class NodeBroadcast:
+    """``sync_model``'s broadcast from group rank ``src`` across nodes, in two stages:
+    to the ranks of ``src``'s local index on the other nodes (one copy per node on the
+    wire, where gloo's flat broadcast sends one per rank), then inside every node from
+    that rank. Exact copies: bitwise on every rank."""
+
+    def __init__(self, topo: Topology, group: Optional[Any], src: int) -> None:
+        rank = dist.get_rank(group)
+        self.local_group, self.cross_group, cross = subgroups(topo, group)
+        index = topo.local_of(src)
+        self.first = topo.local_of(rank) == index  # in src's cross group
+        self.src = cross[topo.node_of(src)]
+        leader = topo.nodes[topo.node_of(rank)][index]
+        self.leader = leader if group is None else dist.get_global_rank(group, leader)
+
+    def start(self, flat: torch.Tensor) -> Any:
+        """Stage one, asynchronously, where this rank takes part (else None)."""
+        if not self.first:
+            return None
+        return dist.broadcast(flat, self.src, group=self.cross_group, async_op=True)
+
+    def finish(self, flat: torch.Tensor, work: Any) -> None:
+        """Wait for stage one, then stage two (inside the node; every rank calls this
+        in the same order)."""
+        from hpc.watchdog import tracker
+
+        if work is not None:
+            tracker.wait(work)
+        tracker.wait(dist.broadcast(flat, self.leader, group=self.local_group,
+                                    async_op=True))
+
+
+def node_broadcast(group: Optional[Any], src: int) -> Optional[NodeBroadcast]:
+    """A :class:`NodeBroadcast` where the group spans nodes the node-by-node way
+    (:func:`hierarchy_problem`), else None; the same on every rank. Collective on the
+    first call per group."""
+    topo = topology(group)
+    if hierarchy_problem(topo) is not None:
         return None
-    return NodeLane(lane, topo, rank, local_group, cross_group, cross_ranks)
+    return NodeBroadcast(topo, group, src)

@@ -43,6 +43,7 @@ from hpc.sync._collective import (
     start_bucket,
     start_check,
 )
+from hpc.sync._nodes import NodeBroadcast, node_broadcast
 
 __all__ = ["sync_model"]
 
@@ -243,37 +244,48 @@ def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
     in flight (direct buckets hold no buffer and do not count), and finish them all."""
     rank = dist.get_rank(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
+    staged = None
+    if any(b.kind == "broadcast" and b.device.type == "cpu" for b in plan):
+        staged = node_broadcast(group, src)  # across nodes: one copy per node on the wire
     pool = _Pool()
     pending: deque[_InFlight] = deque()
     direct: list[_InFlight] = []
     for seq, b in enumerate(plan):
-        started = _start(b, pool, rank == src, global_src, group, seq)
+        nodes = staged if b.kind == "broadcast" and b.device.type == "cpu" else None
+        started = _start(b, pool, rank == src, global_src, group, seq, nodes)
         if b.direct:  # no buffer held: no need to wait before issuing more
             direct.append(started)
             continue
         pending.append(started)
         while len(pending) >= max(1, max_in_flight):
-            _land(pending.popleft(), pool, rank, src, ws)
+            _land(pending.popleft(), pool, rank, src, ws, staged)
     for started in [*pending, *direct]:
-        _land(started, pool, rank, src, ws)
+        _land(started, pool, rank, src, ws, staged)
 
 
 def _start(b: _Bucket, pool: _Pool, is_src: bool, global_src: int,
-           group: Optional[Any], seq: int) -> _InFlight:
-    """Pack ``b`` where this rank contributes, then issue its collective."""
+           group: Optional[Any], seq: int, nodes: Optional[NodeBroadcast]) -> _InFlight:
+    """Pack ``b`` where this rank contributes, then issue its collective (``nodes``: a
+    broadcast's first stage, across nodes)."""
     if b.direct:
         flat = b.tensors[0]
     else:
         flat = pool.take(b.device, b.wire, b.numel)
         if b.kind == "mean" or is_src:
             _pack(b, flat)
+    if nodes is not None:
+        return b, flat, nodes.start(flat)
     return b, flat, start_bucket(b.kind, flat, global_src, group, seq)
 
 
-def _land(started: _InFlight, pool: _Pool, rank: int, src: int, ws: int) -> None:
+def _land(started: _InFlight, pool: _Pool, rank: int, src: int, ws: int,
+          staged: Optional[NodeBroadcast]) -> None:
     """Wait for one collective, finish its bucket, give its buffer back to the pool."""
     b, flat, work = started
-    work.wait()
+    if staged is not None and b.kind == "broadcast" and b.device.type == "cpu":
+        staged.finish(flat, work)  # the second stage, inside the node
+    else:
+        work.wait()
     _finish(b, flat, rank, src, ws)
     if not b.direct:
         pool.give(flat)

@@ -70,3 +70,32 @@ def test_required_across_uneven_nodes_fails_on_every_rank(job: str, tmp_path: Pa
                           r"the nodes run different numbers of ranks \(2, 1\)", out))
     assert said == {"0", "1", "2"}, out
     assert "--ntasks-per-node" in out
+
+
+MODEL = script("sync_model_check.py")
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout,src,once", [
+    (["-N2", "--ntasks-per-node=2"], 0, True),
+    (["-N2", "--ntasks-per-node=2"], 3, True),   # local rank 1 of node2
+    (["-N2", "-n3"], 2, False),                  # uneven nodes: gloo's flat broadcast
+], ids=["2x2-src0", "2x2-src3", "2+1-src2"])
+def test_sync_model_across_nodes(job: str, tmp_path: Path, layout: list[str], src: int,
+                                 once: bool) -> None:
+    """Every flag and bucket layout correct on every rank; a broadcast leaves the
+    source's node once (two ranks on the other node: gloo's flat broadcast sends it
+    twice), read from the nodes' interface counters."""
+    proc = run(["srun", "-p", "four", *layout, sys.executable, str(MODEL), "--src", str(src),
+                "--iface", "eth0"], job, tmp_path, slurm_env(), timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert proc.stdout.count("RESULT ok") == (4 if once else 3), out
+    m = re.search(r"RESULT bytes payload=(\d+) node1=(\d+) node2=(\d+)", proc.stdout)
+    assert m, out
+    payload, node1, node2 = map(int, m.groups())
+    sender = node1 if src < 2 else node2
+    assert max(node1, node2) == sender, out
+    if once:
+        assert payload <= sender < 1.1 * payload, out

@@ -9,12 +9,19 @@ broadcast -> rank 0's tensors exactly; reduce -> the mean of the originals (floo
 for integers, rank 0's value for bools); every rank bitwise equal; and every tensor still
 on its device. Prints ``RESULT``.
 
-Usage: sync_model_check.py [--device cuda:0]   (default cpu; gloo moves CUDA tensors too)
+``--src N`` broadcasts from rank N instead of 0. ``--iface eth0`` (across the test
+cluster's nodes) then also broadcasts an 8 MB model once and prints, from rank 0, the
+bytes each node sent through its ``eth0`` meanwhile (``RESULT bytes``): across nodes a
+broadcast should leave the source's node once per other node, not once per rank.
+
+Usage: sync_model_check.py [--device cuda:0] [--src N] [--iface eth0]
+       (default cpu; gloo moves CUDA tensors too)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -59,9 +66,9 @@ def gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
     return [o.to(torch.bool) if src.dtype == torch.bool else o for o in out]
 
 
-def expected(origs: list[torch.Tensor], mean: bool) -> torch.Tensor:
+def expected(origs: list[torch.Tensor], mean: bool, src: int) -> torch.Tensor:
     if not mean or origs[0].dtype == torch.bool:
-        return origs[0]
+        return origs[src]  # bools come from the source even when averaging
     if origs[0].is_floating_point():
         acc = torch.stack([o.double() for o in origs]).mean(0)
         return acc.to(origs[0].dtype)
@@ -69,7 +76,7 @@ def expected(origs: list[torch.Tensor], mean: bool) -> torch.Tensor:
 
 
 def check(rank: int, ws: int, dev: torch.device, reduce_p: bool, reduce_b: bool,
-          bucket: int, direct: int) -> tuple[str, int]:
+          bucket: int, direct: int, src: int = 0) -> tuple[str, int]:
     """An error text ('' when fine) and the number of tensors checked."""
     net = build(rank, dev)
     named = [(n, t, reduce_p) for n, t in net.named_parameters()]
@@ -78,7 +85,7 @@ def check(rank: int, ws: int, dev: torch.device, reduce_p: bool, reduce_b: bool,
     if torch.equal(origs["fc.weight"][0], origs["fc.weight"][1]):
         return "setup: ranks started equal, the test would prove nothing", 0
     hpc.sync_model(net, reduce_parameters=reduce_p, reduce_buffers=reduce_b,
-                   bucket_bytes=bucket, direct_bytes=direct)
+                   bucket_bytes=bucket, direct_bytes=direct, src=src)
     checked = 0
     for n, t, mean in named:
         if t.device != dev:
@@ -86,7 +93,7 @@ def check(rank: int, ws: int, dev: torch.device, reduce_p: bool, reduce_b: bool,
         now = gather(t, ws)
         if not all(torch.equal(x, now[0]) for x in now):
             return f"{n} differs across ranks", checked
-        want = expected(origs[n], mean)
+        want = expected(origs[n], mean, src)
         got = now[rank]
         if got.is_floating_point() and mean:
             tol = 1e-3 if got.dtype == torch.float16 else 1e-6
@@ -103,14 +110,17 @@ def check(rank: int, ws: int, dev: torch.device, reduce_p: bool, reduce_b: bool,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    dev = torch.device(ap.parse_args().device)
+    ap.add_argument("--src", type=int, default=0)
+    ap.add_argument("--iface", default="")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
     info = hpc.init_torch(backend="gloo")
     checks = 0
     for reduce_p in (False, True):
         for reduce_b in (False, True):
             for bucket, direct in LAYOUTS:
                 err, n = check(info.rank, info.world_size, dev, reduce_p, reduce_b,
-                               bucket, direct)
+                               bucket, direct, args.src)
                 checks += n
                 if err:
                     print(f"RESULT FAIL reduce_parameters={reduce_p} "
@@ -120,7 +130,38 @@ def main() -> int:
                     return 1
     print(f"RESULT ok rank={info.rank} ws={info.world_size} device={dev} checks={checks}",
           flush=True)
+    if args.iface:
+        node_bytes(info, args.src, args.iface)
     return 0
+
+
+def tx_bytes(iface: str) -> int:
+    """Bytes ``iface`` of this process's network namespace has sent."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == iface:
+                return int(counters.split()[8])
+    raise SystemExit(f"no interface {iface}")
+
+
+def node_bytes(info: hpc.DistInfo, src: int, iface: str) -> None:
+    """One broadcast of an 8 MB model from ``src``; rank 0 prints each node's bytes."""
+    torch.manual_seed(info.rank)
+    net = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    payload = sum(p.numel() * p.element_size() for p in net.parameters())
+    hpc.sync_model(net, src=src)  # the first call gathers the topology
+    dist.barrier()
+    before = tx_bytes(iface)
+    hpc.sync_model(net, src=src, check=False)
+    dist.barrier()
+    sent = tx_bytes(iface) - before
+    every: list = [None] * info.world_size
+    dist.all_gather_object(every, (os.uname().nodename, info.local_rank, sent))
+    if info.rank == 0:
+        nodes = {name: b for name, local, b in every if local == 0}
+        print(f"RESULT bytes payload={payload} " + " ".join(
+            f"{name}={b}" for name, b in sorted(nodes.items())), flush=True)
 
 
 if __name__ == "__main__":
