@@ -1,15 +1,22 @@
 #!/bin/bash
 # Gradient sync across the test cluster's nodes with every node's link shaped by tc.
 #
-#   bench/cluster_sync.sh RATE NODES [bench options...]
+#   bench/cluster_sync.sh RATE NODES grads|model [bench options...]
 #
 # RATE: tbf rate on each node's eth0 (outgoing), e.g. 1gbit or 200mbit; "none" for the
 # bare veth. NODES: 2 or 4 (two ranks per node, partition `four` of bin/hpc-testcluster).
-# Runs bench/gradsync_supernet.py under srun with --iface eth0 (bytes each node sent);
-# the shaping is removed when it ends, however it ends. Needs root (tc in the namespaces).
-# Example: flock /tmp/hpc-heavy.lock bench/cluster_sync.sh 1gbit 2 --batches 64
+# grads: bench/gradsync_supernet.py with --iface eth0 (bytes each node sent);
+# model: bench/sync_model.py with --link (one send across the link, the bound).
+# The shaping is removed when it ends, however it ends. Needs root (tc in the namespaces).
+# Example: flock /tmp/hpc-heavy.lock bench/cluster_sync.sh 1gbit 2 grads --batches 64
 set -euo pipefail
-RATE=${1:?rate (1gbit, 200mbit, none)}; NODES=${2:?nodes (2 or 4)}; shift 2
+RATE=${1:?rate (1gbit, 200mbit, none)}; NODES=${2:?nodes (2 or 4)}; WHAT=${3:?grads or model}
+shift 3
+case $WHAT in
+    grads) BENCH=(gradsync_supernet.py --groups hpc --iface eth0) ;;
+    model) BENCH=(sync_model.py --groups hpc --link) ;;
+    *) echo "cluster_sync.sh: $WHAT: choose grads or model" >&2; exit 2 ;;
+esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${HPC_PYTHON:-$ROOT/.venv/bin/python}
 nodes=$(seq 1 "$NODES")
@@ -34,4 +41,4 @@ echo "# $NODES nodes x 2 ranks, each node's eth0: ${RATE}" \
 cd /tmp
 PATH="$(dirname "$PY"):$PATH" HPC_ALLOW_CPU=1 PYTHONPATH="$ROOT" \
     srun -p four -N "$NODES" --ntasks-per-node=2 -t 15 "$PY" \
-    "$ROOT/bench/gradsync_supernet.py" --groups hpc --iface eth0 "$@"
+    "$ROOT/bench/${BENCH[0]}" "${BENCH[@]:1}" "$@"

@@ -11,12 +11,16 @@ each, round-robin in one run, median over ``--repeats``:
 * ``sync_model(no check)`` the same with ``check=False``: the share of the agreement
   check (one ``all_reduce`` round trip), which dominates for small models;
 * ``sync_model(reduce)`` ``reduce_parameters=True, reduce_buffers=True`` (all_reduce;
-  compare with ``flat allreduce``).
+  compare with ``flat allreduce``);
+* ``link send`` (with ``--link``, ranks on several nodes): rank 0 sends the same bytes
+  to the first rank of another node, nobody else moves anything: what one node's link
+  carries (the bound of a broadcast across nodes; the ``vs link`` column).
 
 Run (one table per model on rank 0)::
 
     flock /tmp/hpc-heavy.lock hpc run --nproc 2 -- python bench/sync_model.py
     flock /tmp/hpc-heavy.lock hpc run --nproc 4 -- python bench/sync_model.py
+    flock /tmp/hpc-heavy.lock bench/cluster_sync.sh 1gbit 2 model   # across nodes
 
 Every mode runs on each group of ``--groups`` (interleaved, one table each): ``hpc``,
 the world group of ``hpc.init_torch`` (under ``hpc run`` gloo gets two loopback
@@ -74,8 +78,9 @@ def timeit(fn: Callable[[], None], group: object) -> float:
     return time.perf_counter() - t0
 
 
-def _modes(model: nn.Module, group: object) -> dict[str, Callable[[], None]]:
-    """The timed operations on ``group``."""
+def _modes(model: nn.Module, group: object, peer: Optional[int]
+           ) -> dict[str, Callable[[], None]]:
+    """The timed operations on ``group`` (``peer``: the ``link send`` target, if any)."""
     tensors = [p.data for p in model.parameters()] + list(model.buffers())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.empty(nbytes // 4 + 1, dtype=torch.float32)
@@ -84,7 +89,15 @@ def _modes(model: nn.Module, group: object) -> dict[str, Callable[[], None]]:
         for t in tensors:
             dist.broadcast(t, 0, group=group)
 
-    return {
+    def link() -> None:
+        rank = dist.get_rank()
+        if rank == 0:
+            dist.send(flat, peer, group=group)
+        elif rank == peer:
+            dist.recv(flat, 0, group=group)
+
+    extra = {"link send": link} if peer is not None else {}
+    return {**extra,
         "flat broadcast": lambda: dist.broadcast(flat, 0, group=group),
         "per-tensor broadcast": per_tensor,
         "sync_model": lambda: hpc.sync_model(model, group=group),
@@ -95,12 +108,19 @@ def _modes(model: nn.Module, group: object) -> dict[str, Callable[[], None]]:
     }
 
 
+def other_node() -> Optional[int]:
+    """The first rank on another host than rank 0's (None: all on one)."""
+    hosts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, os.uname().nodename)
+    return next((r for r, h in enumerate(hosts) if h != hosts[0]), None)
+
+
 def bench(name: str, model: nn.Module, repeats: int, rank: int, ws: int,
-          groups: dict[str, object]) -> None:
+          groups: dict[str, object], peer: Optional[int] = None) -> None:
     tensors = [p.data for p in model.parameters()] + list(model.buffers())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     modes = {(g, m): fn for g, group in groups.items()
-             for m, fn in _modes(model, group).items()}
+             for m, fn in _modes(model, group, peer).items()}
     for (g, _), fn in modes.items():  # warm up: connections, allocator
         timeit(fn, groups[g])
     times: dict[tuple[str, str], list[float]] = {k: [] for k in modes}
@@ -114,14 +134,17 @@ def bench(name: str, model: nn.Module, repeats: int, rank: int, ws: int,
         print(f"\n{name}: {nparams / 1e6:.1f}M params, {len(tensors)} tensors, "
               f"{nbytes / 2**20:.1f} MiB, world size {ws}, median of {repeats}, "
               f"group {g!r} ({describe_group(group)})")
-        print(f"{'mode':<22} {'ms':>8} {'GB/s':>6} {'vs flat':>8}")
+        link = statistics.median(times[g, "link send"]) if peer is not None else None
+        print(f"{'mode':<22} {'ms':>8} {'GB/s':>6} {'vs flat':>8}"
+              + (f" {'vs link':>8}" if link else ""))
         for (gg, mode), ts in times.items():
             if gg != g:
                 continue
             t = statistics.median(ts)
             base = statistics.median(times[g, "flat allreduce" if "reduce" in mode
                                            else "flat broadcast"])
-            print(f"{mode:<22} {t * 1e3:8.2f} {nbytes / t / 1e9:6.2f} {base / t:8.2f}")
+            print(f"{mode:<22} {t * 1e3:8.2f} {nbytes / t / 1e9:6.2f} {base / t:8.2f}"
+                  + (f" {link / t:8.2f}" if link else ""))
     sys.stdout.flush()
 
 
@@ -130,15 +153,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", default="resnet50,small")
     ap.add_argument("--groups", default="hpc,plain")
+    ap.add_argument("--link", action="store_true",
+                    help="also time one send from rank 0 to another node (the link)")
     args = ap.parse_args(argv)
     info = hpc.init_torch(backend="gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     torch.manual_seed(info.rank)  # different weights per rank, as before a real sync
     builders = {"resnet50": ("ResNet-50-like", resnet50_like), "small": ("1M/100", small_1m)}
     groups = make_groups(args.groups.split(","))
+    peer = other_node() if args.link else None
     for key in args.models.split(","):
         name, build = builders[key]
-        bench(name, build(), args.repeats, info.rank, info.world_size, groups)
+        bench(name, build(), args.repeats, info.rank, info.world_size, groups, peer)
     return 0
 
 

@@ -29,7 +29,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from hpc.sync._collective import (
     start_bucket,
     start_check,
 )
-from hpc.sync._nodes import NodeBroadcast, node_broadcast
+from hpc.sync._nodes import NodeBroadcast, NodeReduce, node_collectives
 
 __all__ = ["sync_model"]
 
@@ -244,15 +244,14 @@ def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
     in flight (direct buckets hold no buffer and do not count), and finish them all."""
     rank = dist.get_rank(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    staged = None
-    if any(b.kind == "broadcast" and b.device.type == "cpu" for b in plan):
-        staged = node_broadcast(group, src)  # across nodes: one copy per node on the wire
+    staged: dict[str, Any] = {}
+    if any(b.device.type == "cpu" for b in plan):  # across nodes: node by node
+        staged = dict(zip(("broadcast", "mean"), node_collectives(group, src)))
     pool = _Pool()
     pending: deque[_InFlight] = deque()
     direct: list[_InFlight] = []
     for seq, b in enumerate(plan):
-        nodes = staged if b.kind == "broadcast" and b.device.type == "cpu" else None
-        started = _start(b, pool, rank == src, global_src, group, seq, nodes)
+        started = _start(b, pool, rank == src, global_src, group, seq, _nodes(b, staged))
         if b.direct:  # no buffer held: no need to wait before issuing more
             direct.append(started)
             continue
@@ -263,10 +262,17 @@ def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
         _land(started, pool, rank, src, ws, staged)
 
 
+def _nodes(b: _Bucket, staged: dict[str, Any]
+           ) -> Optional[Union[NodeBroadcast, NodeReduce]]:
+    """The node-by-node way of ``b``'s collective, if the group spans nodes so."""
+    return staged.get(b.kind) if b.device.type == "cpu" else None
+
+
 def _start(b: _Bucket, pool: _Pool, is_src: bool, global_src: int,
-           group: Optional[Any], seq: int, nodes: Optional[NodeBroadcast]) -> _InFlight:
-    """Pack ``b`` where this rank contributes, then issue its collective (``nodes``: a
-    broadcast's first stage, across nodes)."""
+           group: Optional[Any], seq: int,
+           nodes: Optional[Union[NodeBroadcast, NodeReduce]]) -> _InFlight:
+    """Pack ``b`` where this rank contributes, then issue its collective (``nodes``:
+    its first stage, when it goes node by node)."""
     if b.direct:
         flat = b.tensors[0]
     else:
@@ -279,11 +285,13 @@ def _start(b: _Bucket, pool: _Pool, is_src: bool, global_src: int,
 
 
 def _land(started: _InFlight, pool: _Pool, rank: int, src: int, ws: int,
-          staged: Optional[NodeBroadcast]) -> None:
-    """Wait for one collective, finish its bucket, give its buffer back to the pool."""
+          staged: dict[str, Any]) -> None:
+    """Wait for one collective (its later stages, node by node), finish its bucket,
+    give its buffer back to the pool."""
     b, flat, work = started
-    if staged is not None and b.kind == "broadcast" and b.device.type == "cpu":
-        staged.finish(flat, work)  # the second stage, inside the node
+    nodes = _nodes(b, staged)
+    if nodes is not None:
+        nodes.finish(flat, work)
     else:
         work.wait()
     _finish(b, flat, rank, src, ws)

@@ -86,7 +86,8 @@ def test_sync_model_across_nodes(job: str, tmp_path: Path, layout: list[str], sr
                                  once: bool) -> None:
     """Every flag and bucket layout correct on every rank; a broadcast leaves the
     source's node once (two ranks on the other node: gloo's flat broadcast sends it
-    twice), read from the nodes' interface counters."""
+    twice) and a mean costs each node 1x its bytes (the flat ring: 1.5x), read from the
+    nodes' interface counters."""
     proc = run(["srun", "-p", "four", *layout, sys.executable, str(MODEL), "--src", str(src),
                 "--iface", "eth0"], job, tmp_path, slurm_env(), timeout=100)
     out = proc.stdout + proc.stderr
@@ -99,3 +100,9 @@ def test_sync_model_across_nodes(job: str, tmp_path: Path, layout: list[str], sr
     assert max(node1, node2) == sender, out
     if once:
         assert payload <= sender < 1.1 * payload, out
+    # the mean: node by node each node sends 2(N-1)/N = 1x the bytes; the flat ring 1.5x
+    m = re.search(r"RESULT reduce_bytes payload=(\d+) node1=(\d+) node2=(\d+)", proc.stdout)
+    assert m, out
+    payload, node1, node2 = map(int, m.groups())
+    if once:
+        assert max(node1, node2) < 1.1 * payload, out

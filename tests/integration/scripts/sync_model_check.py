@@ -10,9 +10,11 @@ for integers, rank 0's value for bools); every rank bitwise equal; and every ten
 on its device. Prints ``RESULT``.
 
 ``--src N`` broadcasts from rank N instead of 0. ``--iface eth0`` (across the test
-cluster's nodes) then also broadcasts an 8 MB model once and prints, from rank 0, the
-bytes each node sent through its ``eth0`` meanwhile (``RESULT bytes``): across nodes a
-broadcast should leave the source's node once per other node, not once per rank.
+cluster's nodes) then also syncs an 8 MB model once by broadcast and once averaged and
+prints, from rank 0, the bytes each node sent through its ``eth0`` meanwhile (``RESULT
+bytes``, ``RESULT reduce_bytes``): across nodes a broadcast should leave the source's
+node once per other node, not once per rank, and a mean cost each node about what an
+all-reduce between the nodes must send.
 
 Usage: sync_model_check.py [--device cuda:0] [--src N] [--iface eth0]
        (default cpu; gloo moves CUDA tensors too)
@@ -151,17 +153,18 @@ def node_bytes(info: hpc.DistInfo, src: int, iface: str) -> None:
     net = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     payload = sum(p.numel() * p.element_size() for p in net.parameters())
     hpc.sync_model(net, src=src)  # the first call gathers the topology
-    dist.barrier()
-    before = tx_bytes(iface)
-    hpc.sync_model(net, src=src, check=False)
-    dist.barrier()
-    sent = tx_bytes(iface) - before
-    every: list = [None] * info.world_size
-    dist.all_gather_object(every, (os.uname().nodename, info.local_rank, sent))
-    if info.rank == 0:
-        nodes = {name: b for name, local, b in every if local == 0}
-        print(f"RESULT bytes payload={payload} " + " ".join(
-            f"{name}={b}" for name, b in sorted(nodes.items())), flush=True)
+    for what, reduce in (("bytes", False), ("reduce_bytes", True)):
+        dist.barrier()
+        before = tx_bytes(iface)
+        hpc.sync_model(net, reduce, src=src, check=False)
+        dist.barrier()
+        sent = tx_bytes(iface) - before
+        every: list = [None] * info.world_size
+        dist.all_gather_object(every, (os.uname().nodename, info.local_rank, sent))
+        if info.rank == 0:
+            nodes = {name: b for name, local, b in every if local == 0}
+            print(f"RESULT {what} payload={payload} " + " ".join(
+                f"{name}={b}" for name, b in sorted(nodes.items())), flush=True)
 
 
 if __name__ == "__main__":
