@@ -180,8 +180,8 @@ class Runner:
         lane = getattr(gs, "_lane", None)  # opened by a first sync
         if lane is not None and self.scatter is not None:
             lane.scatter = self.scatter
+        tx0 = tx_bytes(iface)  # before the barrier: no rank sends before all read
         dist.barrier(group=self.group)
-        tx0 = tx_bytes(iface)
         t0 = time.perf_counter()
         wire = 0
         for k in range(start, start + steps):

@@ -154,8 +154,8 @@ def node_bytes(info: hpc.DistInfo, src: int, iface: str) -> None:
     payload = sum(p.numel() * p.element_size() for p in net.parameters())
     hpc.sync_model(net, src=src)  # the first call gathers the topology
     for what, reduce in (("bytes", False), ("reduce_bytes", True)):
+        before = tx_bytes(iface)  # before the barrier: no rank sends before all read
         dist.barrier()
-        before = tx_bytes(iface)
         hpc.sync_model(net, reduce, src=src, check=False)
         dist.barrier()
         sent = tx_bytes(iface) - before
