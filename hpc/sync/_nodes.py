@@ -31,8 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -47,6 +48,31 @@ __all__ = ["NodeLane", "NodeBroadcast", "Topology", "node_key", "topology_of", "
            "node_collectives"]
 
 logger = logging.getLogger(__name__)
+
+
+def _begin(name: str, group: Optional[Any]) -> Optional[int]:
+    """Count a staged exchange as one world collective for the watchdog (its subgroup
+    calls are not wrapped): every rank begins it at the same point of its world
+    collectives, so a rank frozen before it is named as never having entered it."""
+    from hpc.watchdog import tracker
+
+    world = group is None or group is dist.group.WORLD
+    return tracker.begin(name) if world else None
+
+
+def _end(seq: Optional[int], name: str, run: Callable[[], None]) -> None:
+    """``run()``, then complete :func:`_begin`'s ``seq`` (a job failure raised inside is
+    reported as the watchdog's wrapped collectives report theirs)."""
+    from hpc.watchdog import tracker
+
+    try:
+        run()
+    except Exception as e:
+        instead = tracker.end(seq, name, e)
+        if instead is not None:
+            raise instead from e
+        raise
+    tracker.end(seq, name)
 
 
 def node_key() -> str:
@@ -129,8 +155,15 @@ class NodeLane:
             mine = b.kind == "mean" or b.owner == self.rank
             b.flat = self.lane.slot(self.lane.rank, off, b.numel, b.key[1]) if mine else None
 
+    #: What the watchdog calls the exchange (one world collective per step).
+    NAME = "sync_gradients across nodes"
+
     def exchange(self, plan: Sequence[Any], arena: Any, group: Optional[Any]) -> None:
         """After packing: every bucket's result into a private buffer from ``arena``."""
+        seq = _begin(self.NAME, group)
+        _end(seq, self.NAME, lambda: self._exchange(plan, arena))
+
+    def _exchange(self, plan: Sequence[Any], arena: Any) -> None:
         lane = self.lane
         barrier(self.local_group)  # the node has packed
         outs = [arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel) for b in plan]
@@ -214,10 +247,23 @@ def subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int]
     node = topo.node_of(rank)
     local = topo.nodes[node].index(rank)
     cross = world([ranks[local] for ranks in topo.nodes])
-    local_group = dist.new_group(world(topo.nodes[node]), use_local_synchronization=True)
-    cross_group = dist.new_group(cross, use_local_synchronization=True)
+    # new_group's default timeout is torch's 30 minutes, not the parent's: a dead peer
+    # would hold the subgroups' collectives that long after the world's had timed out.
+    timeout = _timeout_of(group)
+    local_group = dist.new_group(world(topo.nodes[node]), timeout=timeout,
+                                 use_local_synchronization=True)
+    cross_group = dist.new_group(cross, timeout=timeout, use_local_synchronization=True)
     cached = _SUBGROUPS[_key(group)] = (local_group, cross_group, cross)
     return cached
+
+
+def _timeout_of(group: Optional[Any]) -> Optional[timedelta]:
+    """The collective timeout ``group`` was created with (None where torch hides it)."""
+    pg = dist.group.WORLD if group is None else group
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):  # pragma: no cover - private API moved
+        return None
 
 
 def open_exchange(half: int, group: Optional[Any], want: Optional[bool],
@@ -269,7 +315,10 @@ class NodeBroadcast:
     wire, where gloo's flat broadcast sends one per rank), then inside every node from
     that rank. Exact copies: bitwise on every rank."""
 
+    NAME = "sync_model broadcast across nodes"
+
     def __init__(self, topo: Topology, group: Optional[Any], src: int) -> None:
+        self.group = group
         rank = dist.get_rank(group)
         self.local_group, self.cross_group, cross = subgroups(topo, group)
         index = topo.local_of(src)
@@ -278,15 +327,21 @@ class NodeBroadcast:
         leader = topo.nodes[topo.node_of(rank)][index]
         self.leader = leader if group is None else dist.get_global_rank(group, leader)
 
-    def start(self, flat: torch.Tensor) -> Any:
-        """Stage one, asynchronously, where this rank takes part (else None)."""
+    def start(self, flat: torch.Tensor) -> tuple[Optional[int], Any]:
+        """Stage one, asynchronously, where this rank takes part; a handle for
+        :meth:`finish` (counted by the watchdog as one collective)."""
+        seq = _begin(self.NAME, self.group)
         if not self.first:
-            return None
-        return dist.broadcast(flat, self.src, group=self.cross_group, async_op=True)
+            return seq, None
+        return seq, dist.broadcast(flat, self.src, group=self.cross_group, async_op=True)
 
-    def finish(self, flat: torch.Tensor, work: Any) -> None:
+    def finish(self, flat: torch.Tensor, handle: tuple[Optional[int], Any]) -> None:
         """Wait for stage one, then stage two (inside the node; every rank calls this
         in the same order)."""
+        seq, work = handle
+        _end(seq, self.NAME, lambda: self._rest(flat, work))
+
+    def _rest(self, flat: torch.Tensor, work: Any) -> None:
         from hpc.watchdog import tracker
 
         if work is not None:
@@ -302,7 +357,10 @@ class NodeReduce:
     ``2 (N-1)/N`` of the bytes, gloo's flat ring ``1.5x`` at 2x2. Every rank ends with
     the same bits (each stage hands one result to all of its group)."""
 
+    NAME = "sync_model mean across nodes"
+
     def __init__(self, topo: Topology, group: Optional[Any]) -> None:
+        self.group = group
         rank = dist.get_rank(group)
         self.local_group, self.cross_group, _ = subgroups(topo, group)
         node = topo.nodes[topo.node_of(rank)]
@@ -310,12 +368,17 @@ class NodeReduce:
         self.members = [r if group is None else dist.get_global_rank(group, r)
                         for r in node]
 
-    def start(self, flat: torch.Tensor) -> Any:
-        """Stage one: the node's sum, asynchronously."""
-        return dist.all_reduce(flat, group=self.local_group, async_op=True)
+    def start(self, flat: torch.Tensor) -> tuple[Optional[int], Any]:
+        """Stage one: the node's sum, asynchronously; a handle for :meth:`finish`."""
+        seq = _begin(self.NAME, self.group)
+        return seq, dist.all_reduce(flat, group=self.local_group, async_op=True)
 
-    def finish(self, flat: torch.Tensor, work: Any) -> None:
+    def finish(self, flat: torch.Tensor, handle: tuple[Optional[int], Any]) -> None:
         """Stages two and three (every rank calls this in the same order)."""
+        seq, work = handle
+        _end(seq, self.NAME, lambda: self._rest(flat, work))
+
+    def _rest(self, flat: torch.Tensor, work: Any) -> None:
         from hpc.watchdog import tracker
 
         tracker.wait(work)

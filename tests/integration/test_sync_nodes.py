@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,3 +107,26 @@ def test_sync_model_across_nodes(job: str, tmp_path: Path, layout: list[str], sr
     payload, node1, node2 = map(int, m.groups())
     if once:
         assert max(node1, node2) < 1.1 * payload, out
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_rank_frozen_before_the_exchange_is_named_and_the_job_ends(job: str,
+                                                                   tmp_path: Path) -> None:
+    """The node-by-node exchange runs on subgroups (not wrapped by the watchdog): it is
+    counted as one world collective per step, so a rank asleep before it is named, and
+    its subgroups inherit the world's 10 s timeout (torch's default for a new group is
+    30 minutes), so the job ends."""
+    env = slurm_env(HANG_OP="sync_gradients", HANG_RANK="3", HANG_STEP="20",
+                    HANG_MODE="sleep", PG_TIMEOUT="10", HPC_HANG_TIMEOUT="5")
+    start = time.monotonic()
+    proc = run(["srun", "-p", "four", "-N2", "--ntasks-per-node=2", sys.executable,
+                str(script("hang.py"))], job, tmp_path, env, timeout=120)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "UNREACHABLE" not in out
+    assert re.search(r"rank 3 \(node2, pid \d+\) never entered sync_gradients across nodes "
+                     r"#\d+: .* it is at hang\.py:\d+ in <module>", out), out
+    assert re.search(r"sync_gradients across nodes #\d+ timed out \(reported by rank \d\)", out), out
+    assert elapsed < 60, elapsed

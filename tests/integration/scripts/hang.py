@@ -3,9 +3,10 @@
 HANG_MODE: ``sleep`` (sleeps in Python), ``stop`` (SIGSTOPs itself), ``exit``
 (``os._exit(9)`` mid-step). ``PG_TIMEOUT`` is the collective timeout (seconds).
 HANG_OP: what the others run each step, ``all_reduce`` (default) or ``sync_gradients``
-(rank r trains layer r of two, ``users=`` passed: at world size 2 each layer is its
+(rank r trains layer r % 2 of two, ``users=`` passed: at world size 2 each layer is its
 owner's broadcast, sent as ``isend``/``irecv``, or with the shared-memory exchange one
-barrier; the watchdog must count those as collectives too).
+barrier; across nodes one node-by-node exchange; the watchdog must count those as
+collectives too).
 """
 
 import os
@@ -24,7 +25,7 @@ mode = os.environ.get("HANG_MODE", "sleep")
 op = os.environ.get("HANG_OP", "all_reduce")
 t = torch.ones(4)
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-users = [list(layer.parameters()) for layer in model]
+users = [list(model[r % 2].parameters()) for r in range(info.world_size)]
 for step in range(1000):
     if info.rank == hang_rank and step == hang_step:
         print(f"rank {info.rank} pid {os.getpid()} hangs at step {step} ({mode})", flush=True)
@@ -36,7 +37,7 @@ for step in range(1000):
     if op == "sync_gradients":
         model.zero_grad(set_to_none=True)
         model[info.rank % 2](torch.ones(2, 64)).sum().backward()
-        hpc.sync_gradients(model, users[:info.world_size])
+        hpc.sync_gradients(model, users)
     else:
         dist.all_reduce(t)
     time.sleep(0.05)  # the watchdog publishes progress every 0.5 s
