@@ -167,31 +167,28 @@ class NodeLane:
         lane = self.lane
         barrier(self.local_group)  # the node has packed
         outs = [arena.take(torch.device("cpu"), b.key[1], b.numel, b.numel) for b in plan]
-        works, parts = [], []
+        sent = []  # (bucket, slice bounds, the slice, its cross-node Work), in plan order
         for b, out in zip(plan, outs):
             lo, hi = lane.slices(out.numel(), out.itemsize)[lane.rank]
             if lo == hi:
-                parts.append(None)
                 continue
             part = out[lo:hi]
             if b.kind == "mean":
                 lane.sum_part(b.slot, lo, hi, part)
-                works.append(dist.all_reduce(part, group=self.cross_group, async_op=True))
+                work = dist.all_reduce(part, group=self.cross_group, async_op=True)
             else:
                 node = self._node_of[b.owner]
                 if node == self.node:
                     part.copy_(lane.part(self._local_of[b.owner], b.slot, lo, hi, out.dtype))
-                works.append(dist.broadcast(part, self.cross_ranks[node],
-                                            group=self.cross_group, async_op=True))
-            parts.append(part)
+                work = dist.broadcast(part, self.cross_ranks[node], group=self.cross_group,
+                                      async_op=True)
+            sent.append((b, lo, hi, part, work))
         from hpc.watchdog import tracker
 
-        for work in works:
+        for b, lo, hi, part, work in sent:  # publish each slice as soon as it is back
             tracker.wait(work)
-        for b, out, part in zip(plan, outs, parts):
-            if part is not None and b.owner != self.rank:
-                lo, hi = lane.slices(out.numel(), out.itemsize)[lane.rank]
-                lane.part(lane.rank, b.slot, lo, hi, out.dtype).copy_(part)
+            if b.owner != self.rank:  # an owner's own slot already holds its slice
+                lane.part(lane.rank, b.slot, lo, hi, part.dtype).copy_(part)
         barrier(self.local_group)  # every rank of the node has published its slices
         for b, out in zip(plan, outs):
             lane.gather_slices(b.slot, out)

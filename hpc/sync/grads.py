@@ -13,7 +13,8 @@ One step (details and measurements in ``docs/sync.md``):
 2. A parameter used by one rank is *broadcast by its owner*; one used by several goes
    into a bucketed ``all_reduce``; one used by nobody is skipped. Where every rank is on
    this host and the parameters on the CPU, the buckets go through shared memory
-   (:mod:`hpc.sync._shm`) instead of the process group.
+   (:mod:`hpc.sync._shm`) instead of the process group; across hosts with the same
+   number of ranks (2+) on each, node by node (:mod:`hpc.sync._nodes`).
 3. DDP's arithmetic (``mul`` by ``1/world_size``, ``+0.0`` turning ``-0.0`` into
    ``+0.0``); a sum of two terms does not depend on the order, so at world size 2 the
    result equals ``DDP(find_unused_parameters=True)`` bit for bit; ``match_ddp=True``
@@ -93,7 +94,9 @@ class GradSync:
             ``torch.float16``) and convert the mean back: half the bytes, not bitwise
             equal to DDP (compare DDP's ``bf16_compress_hook``). Default: off.
         shm: Exchange through shared memory when every rank of the group is on this
-            host and the parameters are on the CPU (see :mod:`hpc.sync._shm`). None
+            host and the parameters are on the CPU (see :mod:`hpc.sync._shm`), or node
+            by node across hosts with as many ranks (2+) on each (shared memory inside
+            a node, :mod:`hpc.sync._nodes`). None
             (default): when possible, unless ``HPC_SYNC_SHM=0``; True: required (an
             error if not possible); False: never.
         group: Process group (default: the world).
