@@ -51,10 +51,14 @@ def test_noop_when_not_distributed() -> None:
     (2, ["--users"]),                         # caller-passed users: no agreement round
     (2, ["--users", "--api", "backward"]),
     (3, ["--match-ddp", "--users"]),
+    # 1/3 is not exact in 16 bits: the scale must be applied as DDP does (in float32)
+    (3, ["--match-ddp", "--dtype", "bfloat16"]),
+    (3, ["--match-ddp", "--dtype", "float16"]),
     (2, ["--shm", "off"]),                    # through the group: isend/irecv, all_reduce
     (2, ["--shm", "off", "--users", "--api", "backward"]),
 ], ids=["ws2", "ws2-backward", "ws3-match_ddp", "ws3-match_ddp-backward", "ws2-users",
-        "ws2-backward-users", "ws3-match_ddp-users", "ws2-tcp", "ws2-backward-users-tcp"])
+        "ws2-backward-users", "ws3-match_ddp-users", "ws3-match_ddp-bf16",
+        "ws3-match_ddp-fp16", "ws2-tcp", "ws2-backward-users-tcp"])
 def test_sync_gradients_bitwise_equal_to_ddp(nproc: int, args: list[str]) -> None:
     """Several steps, different unused params per rank, one param unused everywhere."""
     lines = _run_ok(nproc, "sync_grads_vs_ddp.py", "--expect", "bitwise", *args)

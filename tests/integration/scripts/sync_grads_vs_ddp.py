@@ -12,7 +12,7 @@ compared with DDP's ``bf16_compress_hook`` (close, not bitwise).
 
 Usage: sync_grads_vs_ddp.py [--match-ddp] [--expect bitwise|close] [--steps N]
                             [--api sync_gradients|backward] [--users]
-                            [--comm-dtype bfloat16]
+                            [--comm-dtype bfloat16] [--dtype bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def draw(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality: unlike torch.equal, -0.0 and +0.0 differ."""
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def main() -> int:
@@ -104,6 +105,8 @@ def main() -> int:
     ap.add_argument("--users", action="store_true",
                     help="pass every rank's used parameters (no agreement round)")
     ap.add_argument("--comm-dtype", choices=("bfloat16",), default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    default="float32", help="the model's parameters (and inputs)")
     ap.add_argument("--shm", choices=("auto", "on", "off"), default="auto",
                     help="GradSync(shm=None/True/False): the same-host shared-memory lane")
     args = ap.parse_args()
@@ -112,7 +115,8 @@ def main() -> int:
     torch.set_num_threads(1)
     info = hpc.init_torch(backend="gloo", seed=0)
     ws, rank = info.world_size, info.rank
-    ours = Supernet()
+    dtype = getattr(torch, args.dtype)
+    ours = Supernet().to(dtype)
     theirs = copy.deepcopy(ours)
     ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
     if comm_dtype is not None:
@@ -126,6 +130,7 @@ def main() -> int:
     differing = 0
     for step in range(args.steps):
         x, y, path = draw(step, rank)
+        x = x.to(dtype)
         users = [ours.used(draw(step, r)[2]) for r in range(ws)] if args.users else None
         for opt in (opt_a, opt_b):
             opt.zero_grad(set_to_none=True)
