@@ -17,6 +17,9 @@ How (see ``docs/sync.md``):
   of the int64 sum (``sum // world_size``); bool tensors are always broadcast from the
   master (there is no mean of booleans); float16/bfloat16 are averaged in float32;
 * CPU tensors under nccl are staged through the current CUDA device;
+* across hosts with the same number of ranks (2+) on each, CPU buckets go node by node
+  (:mod:`hpc.sync._nodes`): a broadcast crosses to each other node once, then spreads
+  inside it; a mean is summed inside each node, across nodes by slices, and shared;
 * before anything moves, one ``all_reduce`` of a hash checks that every rank holds the
   same tensor list; a mismatch raises :class:`~hpc.errors.ModelMismatchError` on every
   rank naming the first differing tensor, never a hang;
