@@ -134,14 +134,20 @@ def test_accelerate_under_real_mpirun_takes_hpcs_layout(tmp_path: Path) -> None:
 
     require_package("accelerate")
     prefix, env = launcher("openmpi", tmp_path, 2, with_mpi4py=False)
-    proc = run_group([*prefix, sys.executable, str(EXAMPLES / "train_accelerate.py"),
+    # Each rank's stdout in its own file (Open MPI's --output-filename DIR writes
+    # DIR/1/rank.N/stdout): through mpirun's forwarded stdout two clean CI runs got rank
+    # 1's line spliced into the middle of rank 0's ("run 2026...9476e0rank 1: ...").
+    outputs = tmp_path / "mpi-out"
+    proc = run_group([*prefix, "--output-filename", str(outputs), sys.executable,
+                      str(EXAMPLES / "train_accelerate.py"),
                       "--out", str(tmp_path / "acc"), "--epochs", "1"],
                      timeout=150, env=env, cwd=ROOT)  # a timeout kills mpirun's whole group
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = "".join(p.read_text() for p in sorted(outputs.glob("*/rank.*/stdout")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + stdout
     rows = re.findall(r"rank (\d): accelerate 2 processes, index (\d) local (\d) "
                       r"\(DistributedType.MULTI_CPU\); done step 32 digest (\w+) run ([\w-]+)",
-                      proc.stdout)
+                      stdout)
     assert sorted((r, i, loc) for r, i, loc, _, _ in rows) == [("0", "0", "0"), ("1", "1", "1")], \
-        proc.stdout[-3000:]
+        stdout[-3000:]
     assert len({(d, rid) for *_, d, rid in rows}) == 1, rows
     assert "initialised openmpi rank 0/2" in proc.stderr, proc.stderr
