@@ -38,12 +38,6 @@ def close_group() -> None:
             os._exit(watchdog.EXIT_CODE)
         if dist.is_available() and dist.is_initialized() and failure.failed():
             _abort_group(dist)
-            # The same race as a clean run's below: DDP's reducer keeps the aborted group
-            # and its gloo workers alive; a worker freeing a Work after finalization began
-            # ended a failing rank with SIGABRT instead of its exit code 1 (a clean CI
-            # run: "terminate called without an active exception" after an SDC error).
-            gc.collect()
-            _let_workers_finish()
         elif dist.is_available() and dist.is_initialized():
             # Free unreferenced Work handles while the group still exists: a gloo Work
             # destroyed after its group, during interpreter shutdown, can abort the
