@@ -239,7 +239,7 @@ def subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int]
     rank = dist.get_rank(group)
 
     def world(ranks: Sequence[int]) -> list[int]:
-        return [r if group is None else dist.get_global_rank(group, r) for r in ranks]
+        return [_global(group, r) for r in ranks]
 
     node = topo.node_of(rank)
     local = topo.nodes[node].index(rank)
@@ -252,6 +252,11 @@ def subgroups(topo: Topology, group: Optional[Any]) -> tuple[Any, Any, list[int]
     cross_group = dist.new_group(cross, timeout=timeout, use_local_synchronization=True)
     cached = _SUBGROUPS[_key(group)] = (local_group, cross_group, cross)
     return cached
+
+
+def _global(group: Optional[Any], rank: int) -> int:
+    """Group rank ``rank`` as a global rank (what collectives on subgroups take)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _timeout_of(group: Optional[Any]) -> Optional[timedelta]:
@@ -322,7 +327,7 @@ class NodeBroadcast:
         self.first = topo.local_of(rank) == index  # in src's cross group
         self.src = cross[topo.node_of(src)]
         leader = topo.nodes[topo.node_of(rank)][index]
-        self.leader = leader if group is None else dist.get_global_rank(group, leader)
+        self.leader = _global(group, leader)
 
     def start(self, flat: torch.Tensor) -> tuple[Optional[int], Any]:
         """Stage one, asynchronously, where this rank takes part; a handle for
@@ -362,8 +367,7 @@ class NodeReduce:
         self.local_group, self.cross_group, _ = subgroups(topo, group)
         node = topo.nodes[topo.node_of(rank)]
         self.index = node.index(rank)
-        self.members = [r if group is None else dist.get_global_rank(group, r)
-                        for r in node]
+        self.members = [_global(group, r) for r in node]
 
     def start(self, flat: torch.Tensor) -> tuple[Optional[int], Any]:
         """Stage one: the node's sum, asynchronously; a handle for :meth:`finish`."""
