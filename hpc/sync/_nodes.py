@@ -141,6 +141,10 @@ class NodeLane:
         self._node_of = {r: n for n, ranks in enumerate(topo.nodes) for r in ranks}
         self._local_of = {r: ranks.index(r) for ranks in topo.nodes for r in ranks}
 
+    #: The slices go across nodes as their owners packed them: the owners turn a
+    #: broadcast's ``-0.0`` into ``+0.0`` (see :attr:`ShmLane.signs_zeros`).
+    signs_zeros = False
+
     @property
     def nodes(self) -> int:
         return len(self.topo.nodes)

@@ -22,6 +22,10 @@ __all__ = ["Layout", "bucket_key"]
 
 #: 16-bit floats: packed one tensor at a time (:meth:`Layout.fusable`).
 _HALF = (torch.bfloat16, torch.float16)
+#: Gradients of this many elements or more are packed one at a time
+#: (:meth:`Layout.fusable`): one ``mul`` pass over their bytes costs more than the
+#: dispatch that fusing saves (the fused packing passes over them twice).
+FUSE_BELOW = 16384
 
 
 def bucket_key(p: torch.Tensor, comm_dtype: torch.dtype | None) -> tuple[Any, ...]:
@@ -76,8 +80,14 @@ class Layout:
             return flat[off:off + self.numels[i]].view(self.params[i].shape)
         return flat.as_strided(self.params[i].shape, strides, flat.storage_offset() + off)
 
-    def pack(self, b: Bucket, off: int, i: int, scale: float) -> None:
-        """Write parameter ``i``'s scaled gradient (zeros when it has none) into ``b``."""
+    def pack(self, b: Bucket, off: int, i: int, scale: float,
+             signed_zeros: bool = True) -> None:
+        """Write parameter ``i``'s scaled gradient (zeros when it has none) into ``b``.
+
+        ``signed_zeros``: turn a broadcast's ``-0.0`` into ``+0.0`` here, as DDP's sum
+        with the other ranks' zeros does; False where every reader of the bucket does it
+        while copying it out (:attr:`hpc.sync._shm.ShmLane.signs_zeros`), which saves a
+        pass over the owner's bytes."""
         dst = self.view(b.flat, off, i)  # type: ignore[arg-type]  # set by the plan
         g = self.params[i].grad
         if g is None:  # reachable, yet autograd produced nothing: contributes zero
@@ -87,17 +97,20 @@ class Layout:
             dst.mul_(scale)  # the same product as mul_out below, on the comm device
         else:
             torch.mul(g, scale, out=dst)  # DDP's reducer: mul_out(1/ws)
-        if g is not None and b.kind == "broadcast":
+        if g is not None and b.kind == "broadcast" and signed_zeros:
             dst.add_(0.0)  # -0.0 -> +0.0, as the zeros DDP adds to it (cache-hot)
 
     def fusable(self, b: Bucket, i: int) -> bool:
-        """True when :meth:`pack_fused` may pack parameter ``i`` into ``b``: not into a
-        16-bit float bucket, where ``_foreach_mul_`` rounds the scale itself to 16 bits
-        (1/3 in bf16 is 0.33398: +0.2 % on every gradient) while ``torch.mul``, as DDP's
-        reducer, multiplies by it in float32 and rounds the product."""
+        """True when :meth:`pack_fused` may pack parameter ``i`` into ``b``: a small
+        gradient (below :data:`FUSE_BELOW` elements: the fused copy-then-scale passes
+        over its bytes twice, :meth:`pack` once), not into a 16-bit float bucket, where
+        ``_foreach_mul_`` rounds the scale itself to 16 bits (1/3 in bf16 is 0.33398:
+        +0.2 % on every gradient) while ``torch.mul``, as DDP's reducer, multiplies by
+        it in float32 and rounds the product."""
         g, flat = self.params[i].grad, b.flat
         return g is not None and b.kind == "mean" and flat is not None \
-            and g.device == flat.device and flat.dtype not in _HALF
+            and g.numel() < FUSE_BELOW and g.device == flat.device \
+            and flat.dtype not in _HALF
 
     def pack_fused(self, items: Sequence[tuple[Bucket, int, int]], scale: float) -> None:
         """:meth:`pack` of ``(bucket, offset, i)`` items that are :meth:`fusable`: one

@@ -124,6 +124,10 @@ class ShmLane:
         self.scatter = len(self.regions) >= SCATTER_FROM if scatter is None else scatter
         self._step = 0
 
+    #: Reading a broadcast out (:meth:`combine`) turns ``-0.0`` into ``+0.0``, as DDP's
+    #: sum with the other ranks' zeros does: its owner packs it without that pass.
+    signs_zeros = True
+
     def begin_step(self) -> None:
         """Switch to the other half (call once per step, on every rank)."""
         self._step += 1
@@ -188,10 +192,12 @@ class ShmLane:
         return 2 if self.scatter and any(b.kind == "mean" for b in plan) else 1
 
     def combine(self, kind: str, owner: int, offset: int, out: torch.Tensor) -> None:
-        """Write the bucket's result into ``out`` (after the step's barrier)."""
+        """Write the bucket's result into ``out`` (after the step's barrier); a
+        broadcast's ``-0.0`` becomes ``+0.0`` on the way (:attr:`signs_zeros`), in the
+        pass that copies it (``x + 0.0``: the same bits as DDP's sum with zeros)."""
         numel, dtype = out.numel(), out.dtype
         if kind == "broadcast":
-            out.copy_(self.slot(owner, offset, numel, dtype))
+            torch.add(self.slot(owner, offset, numel, dtype), 0.0, out=out)
             return
         slots = [self.slot(r, offset, numel, dtype) for r in range(len(self.regions))]
         torch.add(slots[0], slots[1], out=out)

@@ -273,7 +273,7 @@ class GradSync:
 
     def _pack(self, st: _Step, i: int, scale: float) -> None:
         b, off = st.where[i]
-        self._layout.pack(b, off, i, scale)
+        self._layout.pack(b, off, i, scale, self._lane is None or not self._lane.signs_zeros)
         b.pending -= 1
         st.packed.add(i)
 

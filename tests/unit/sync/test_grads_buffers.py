@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc.sync import _collective, grads
+from hpc.sync import _collective, _pack, grads
 from hpc.sync._plan import Bucket
 from hpc.sync.grads import GradSync, _Step
 
@@ -118,19 +118,42 @@ def test_cpu_gradient_is_staged_onto_the_comm_device() -> None:
 
 @pytest.mark.parametrize("kind", ["mean", "broadcast"])
 def test_fused_packing_equals_one_kernel_per_gradient(kind: str) -> None:
+    """Small gradients are fused, a large one (FUSE_BELOW elements or more: one mul
+    pass instead of copy-then-scale) is not; the bits are the same either way."""
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3), nn.Linear(3, 6000))
     model(torch.randn(4, 7)).sum().backward()
     model[1].bias.grad[0] = -0.0
     gs = GradSync(model)
+    big = 4  # the last Linear's weight
+    assert gs.params[big].numel() >= _pack.FUSE_BELOW > gs.params[0].numel()
     n = sum(p.numel() for p in gs.params)
     one, fused = _step_with(gs, torch.empty(n), kind), _step_with(gs, torch.empty(n), kind)
     for i in range(len(gs.params)):
         gs._pack(one, i, 1.0 / 3)
     gs._pack_many(fused, list(range(len(gs.params))), 1.0 / 3)
+    bucket = fused.where[0][0]
+    assert gs._layout.fusable(bucket, 0) == (kind == "mean")
+    assert not gs._layout.fusable(bucket, big)
     a, b = one.where[0][0].flat, fused.where[0][0].flat
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))  # bit for bit
     assert fused.packed == set(range(len(gs.params))) and fused.where[0][0].pending == 0
+
+
+def test_broadcast_zeros_are_made_positive_by_the_packer_or_left_to_the_reader() -> None:
+    """DDP's broadcast of a gradient is its sum with zeros: -0.0 arrives as +0.0. The
+    process group's path packs it so (one more pass over the owner's bytes); the one-host
+    lane's readers do it while copying out (ShmLane.signs_zeros), so its owner packs
+    the plain product."""
+    model = nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    model.bias.grad[0] = -0.0
+    gs = GradSync(model)
+    for signed, expected in ((True, "0.0"), (False, "-0.0")):
+        st = _step_with(gs, torch.empty(8), "broadcast")
+        b, off = st.where[1]
+        gs._layout.pack(b, off, 1, 0.5, signed)
+        assert str(b.flat[off].item()) == expected
 
 
 @pytest.mark.parametrize("backend, tensor, expected", [

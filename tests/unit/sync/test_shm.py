@@ -34,7 +34,11 @@ def test_slots_are_aligned_and_alternate_halves() -> None:
     assert a.data_ptr() % 4 == 0 and a.dtype == torch.float32 and a.numel() == 4
 
 
-def test_mean_sums_in_rank_order_and_broadcast_copies_the_owner() -> None:
+def test_mean_sums_in_rank_order_and_broadcast_copies_the_owner_with_positive_zeros(
+        ) -> None:
+    """A mean keeps the rank-order sum's bits (-0.0 + -0.0 is -0.0); a broadcast is the
+    owner's slot with -0.0 made +0.0, DDP's sum with the other ranks' zeros: its owner
+    packs it without that pass (ShmLane.signs_zeros)."""
     lane = _lane(3)
     lane.begin_step()
     values = [torch.tensor([1e8, 1.0, -0.0]), torch.tensor([-1e8, 1.0, -0.0]),
@@ -46,7 +50,8 @@ def test_mean_sums_in_rank_order_and_broadcast_copies_the_owner() -> None:
     expected = (values[0] + values[1]) + values[2]
     assert torch.equal(out, expected) and str(out[2].item()) == "-0.0"
     lane.combine("broadcast", 2, 0, out)
-    assert torch.equal(out, values[2])
+    assert torch.equal(out, values[2]) and str(out[2].item()) == "0.0"
+    assert _shm.ShmLane.signs_zeros
 
 
 class _Arena:
@@ -134,7 +139,7 @@ def test_a_mean_reads_each_byte_about_twice_at_any_world_size(
     for r in range(ws):
         for i, b in enumerate(plans[r]):
             if b.kind == "broadcast":
-                expected = packed[1][i]
+                expected = packed[1][i] + 0.0  # read out with -0.0 made +0.0
             else:
                 expected = packed[0][i] + packed[1][i]
                 for q in range(2, ws):
