@@ -30,7 +30,8 @@ from typing import Optional
 from hpc.environments import DistInfo
 from hpc.environments.slurm import in_step
 
-__all__ = ["plan", "plan_threads", "set_torch_threads", "thread_env"]
+__all__ = ["plan", "plan_threads", "set_torch_threads", "thread_env", "cpu_share",
+           "usable_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,21 @@ def plan_threads(info: DistInfo, environ: Mapping[str, str], usable: int,
     if per_task:
         return max(1, min(per_task, usable)), warnings
     if info.local_world_size > 1:
-        bound = usable < host_cpus
-        return max(1, usable if bound else host_cpus // info.local_world_size), warnings
+        return cpu_share(info.local_world_size, usable, host_cpus), warnings
     return None, warnings
 
 
-def _usable_cpus() -> int:
+def cpu_share(local_ranks: int, usable: int, host_cpus: int) -> int:
+    """CPUs one of ``local_ranks`` ranks on a host should use (pure): the CPUs it may
+    run on when the launcher bound it to a subset (``usable < host_cpus``), else its
+    equal part of the host's."""
+    if usable < host_cpus:
+        return max(1, usable)
+    return max(1, host_cpus // max(1, local_ranks))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``; the host's elsewhere)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -93,7 +103,7 @@ def plan(info: DistInfo, environ: Optional[Mapping[str, str]] = None
         the caller to export before :func:`set_torch_threads`.
     """
     env = os.environ if environ is None else environ
-    threads, warnings = plan_threads(info, env, _usable_cpus(), os.cpu_count() or 1)
+    threads, warnings = plan_threads(info, env, usable_cpus(), os.cpu_count() or 1)
     for warning in warnings:
         logger.warning("%s", warning)
     return threads, thread_env(threads)

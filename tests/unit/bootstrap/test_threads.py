@@ -67,7 +67,7 @@ def test_thread_env_carries_the_count() -> None:
 
 
 def test_plan_returns_omp_and_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads, "_usable_cpus", lambda: 1)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 1)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     env = dict(STEP, SLURM_CPUS_PER_TASK="1")
     assert threads.plan(detect(env), env) == (1, {"OMP_NUM_THREADS": "1"})
@@ -87,3 +87,15 @@ def test_set_torch_threads() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("ranks,usable,host,share", [
+    (2, 2, 2, 1),     # two ranks on a 2-core host: one core each
+    (4, 64, 64, 16),  # unbound: an equal part of the host
+    (4, 3, 64, 3),    # bound by the launcher to 3 CPUs: those
+    (1, 8, 8, 8),     # alone on the host
+    (3, 2, 2, 1),     # more ranks than cores: still one thread
+])
+def test_cpu_share_is_the_rule_init_torch_applies(ranks: int, usable: int, host: int,
+                                                   share: int) -> None:
+    assert threads.cpu_share(ranks, usable, host) == share
