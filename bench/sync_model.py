@@ -25,7 +25,11 @@ Run (one table per model on rank 0)::
 Every mode runs on each group of ``--groups`` (interleaved, one table each): ``hpc``,
 the world group of ``hpc.init_torch`` (under ``hpc run`` gloo gets two loopback
 connections, ``GLOO_SOCKET_IFNAME=lo,lo``), and ``plain``, one connection, as a script
-calling ``init_process_group`` itself gets here (``GLOO_SOCKET_IFNAME=lo``).
+calling ``init_process_group`` itself gets here (``GLOO_SOCKET_IFNAME=lo``). With
+``--init plain`` (under ``torchrun``) the script is such a script: no
+``hpc.init_torch``, its own ``init_process_group``, timed on that world group::
+
+    flock /tmp/hpc-heavy.lock torchrun --nproc-per-node 2 bench/sync_model.py --init plain
 """
 
 from __future__ import annotations
@@ -155,16 +159,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--groups", default="hpc,plain")
     ap.add_argument("--link", action="store_true",
                     help="also time one send from rank 0 to another node (the link)")
+    ap.add_argument("--init", choices=("hpc", "plain"), default="hpc",
+                    help="plain: no hpc.init_torch, the script's own "
+                         "init_process_group('gloo') from torchrun's variables, timed on "
+                         "that world group (--groups is ignored)")
     args = ap.parse_args(argv)
-    info = hpc.init_torch(backend="gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-    torch.manual_seed(info.rank)  # different weights per rank, as before a real sync
+    if args.init == "plain":  # what a user's own script does (run it under torchrun)
+        dist.init_process_group("gloo")
+        rank, ws = dist.get_rank(), dist.get_world_size()
+        groups = {"plain world": dist.group.WORLD}
+    else:
+        info = hpc.init_torch(backend="gloo")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+        rank, ws = info.rank, info.world_size
+        groups = make_groups(args.groups.split(","))
+    torch.manual_seed(rank)  # different weights per rank, as before a real sync
     builders = {"resnet50": ("ResNet-50-like", resnet50_like), "small": ("1M/100", small_1m)}
-    groups = make_groups(args.groups.split(","))
     peer = other_node() if args.link else None
     for key in args.models.split(","):
         name, build = builders[key]
-        bench(name, build(), args.repeats, info.rank, info.world_size, groups, peer)
+        bench(name, build(), args.repeats, rank, ws, groups, peer)
     return 0
 
 
