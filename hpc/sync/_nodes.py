@@ -45,7 +45,7 @@ from hpc.sync.agree import all_true
 
 __all__ = ["NodeLane", "NodeBroadcast", "Topology", "node_key", "topology_of", "topology",
            "hierarchy_problem", "subgroups", "open_exchange", "NodeReduce",
-           "node_collectives"]
+           "node_collectives", "ranks_on_node"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,11 @@ class NodeLane:
     #: The slices go across nodes as their owners packed them: the owners turn a
     #: broadcast's ``-0.0`` into ``+0.0`` (see :attr:`ShmLane.signs_zeros`).
     signs_zeros = False
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks on this node (they share its lane)."""
+        return self.lane.local_ranks
 
     @property
     def nodes(self) -> int:
@@ -398,6 +403,13 @@ class NodeReduce:
             if lo < hi:
                 tracker.wait(dist.broadcast(flat[lo:hi], member, group=self.local_group,
                                             async_op=True))
+
+
+def ranks_on_node(group: Optional[Any]) -> int:
+    """How many ranks of ``group`` run on this rank's node (collective on the first
+    call per group, as :func:`topology`)."""
+    topo = topology(group)
+    return len(topo.nodes[topo.node_of(dist.get_rank(group))])
 
 
 def node_collectives(group: Optional[Any], src: int

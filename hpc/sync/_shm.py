@@ -124,6 +124,11 @@ class ShmLane:
         self.scatter = len(self.regions) >= SCATTER_FROM if scatter is None else scatter
         self._step = 0
 
+    @property
+    def local_ranks(self) -> int:
+        """Ranks on this host that share the lane."""
+        return len(self.regions)
+
     #: Reading a broadcast out (:meth:`combine`) turns ``-0.0`` into ``+0.0``, as DDP's
     #: sum with the other ranks' zeros does: its owner packs it without that pass.
     signs_zeros = True

@@ -46,6 +46,7 @@ from hpc.sync._pack import Layout
 from hpc.sync._plan import Arena, Bucket, local_mask, make_plan, trainable
 from hpc.sync._nodes import NodeLane, open_exchange
 from hpc.sync._shm import ShmLane, half_bytes, lane_wanted
+from hpc.sync._threads import share_of_host
 from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 from hpc.watchdog import tracker
 
@@ -303,6 +304,18 @@ class GradSync:
                 src = dist.get_global_rank(self.group, b.owner)
             b.work = start_bucket(b.kind, b.flat, src, self.group, st.launched - 1)
 
+    def _exchange(self, st: _Step, plan: list[Bucket], mine: list[int],
+                  scale: float) -> None:
+        """Pack and issue what backward did not; through shared memory, exchange."""
+        rank = dist.get_rank(self.group)
+        for b in plan[st.launched:]:
+            if b.kind == "mean" or b.owner == rank:
+                self._pack_many(st, [i for i in b.idx
+                                     if mine[i] and i not in st.packed], scale)
+            self._launch_ready(st)
+        if self._lane is not None:
+            self._lane.exchange(plan, self._arena, self.group)
+
     def _on_grad(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter ``i`` (during :meth:`backward`)."""
         st = self._step
@@ -332,17 +345,10 @@ class GradSync:
                 st.work = None
             self._build(st)
         plan = st.plan or []
-        rank = dist.get_rank(self.group)
-        mine = st.mine.tolist()
-        scale = 1.0 / ws
+        local_ranks = 1 if self._lane is None else self._lane.local_ranks
         try:
-            for b in plan[st.launched:]:
-                if b.kind == "mean" or b.owner == rank:
-                    self._pack_many(st, [i for i in b.idx
-                                         if mine[i] and i not in st.packed], scale)
-                self._launch_ready(st)
-            if self._lane is not None:
-                self._lane.exchange(plan, self._arena, self.group)
+            with share_of_host(local_ranks):  # the lane's copies: see hpc.sync._threads
+                self._exchange(st, plan, st.mine.tolist(), 1.0 / ws)
             sent = 0
             for b in plan:
                 if b.work is not None:

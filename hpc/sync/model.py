@@ -17,6 +17,9 @@ How (see ``docs/sync.md``):
   of the int64 sum (``sum // world_size``); bool tensors are always broadcast from the
   master (there is no mean of booleans); float16/bfloat16 are averaged in float32;
 * CPU tensors under nccl are staged through the current CUDA device;
+* the CPU copies run on at most this rank's share of the host's cores
+  (:mod:`hpc.sync._threads`: a rank with a thread per core, in a script started without
+  ``OMP_NUM_THREADS``, spun on the cores its peers needed);
 * across hosts with the same number of ranks (2+) on each, CPU buckets go node by node
   (:mod:`hpc.sync._nodes`): a broadcast crosses to each other node once, then spreads
   inside it; a mean is summed inside each node, across nodes by slices, and shared;
@@ -46,7 +49,8 @@ from hpc.sync._collective import (
     start_bucket,
     start_check,
 )
-from hpc.sync._nodes import NodeBroadcast, NodeReduce, node_collectives
+from hpc.sync._nodes import NodeBroadcast, NodeReduce, node_collectives, ranks_on_node
+from hpc.sync._threads import share_of_host
 
 __all__ = ["sync_model"]
 
@@ -248,21 +252,25 @@ def _run(plan: Sequence[_Bucket], group: Optional[Any], src: int, ws: int,
     rank = dist.get_rank(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
     staged: dict[str, Any] = {}
+    local_ranks = 1  # CUDA copies do not use the CPU threads
     if any(b.device.type == "cpu" for b in plan):  # across nodes: node by node
         staged = dict(zip(("broadcast", "mean"), node_collectives(group, src)))
+        local_ranks = ranks_on_node(group)
     pool = _Pool()
     pending: deque[_InFlight] = deque()
     direct: list[_InFlight] = []
-    for seq, b in enumerate(plan):
-        started = _start(b, pool, rank == src, global_src, group, seq, _nodes(b, staged))
-        if b.direct:  # no buffer held: no need to wait before issuing more
-            direct.append(started)
-            continue
-        pending.append(started)
-        while len(pending) >= max(1, max_in_flight):
-            _land(pending.popleft(), pool, rank, src, ws, staged)
-    for started in [*pending, *direct]:
-        _land(started, pool, rank, src, ws, staged)
+    with share_of_host(local_ranks):
+        for seq, b in enumerate(plan):
+            started = _start(b, pool, rank == src, global_src, group, seq,
+                             _nodes(b, staged))
+            if b.direct:  # no buffer held: no need to wait before issuing more
+                direct.append(started)
+                continue
+            pending.append(started)
+            while len(pending) >= max(1, max_in_flight):
+                _land(pending.popleft(), pool, rank, src, ws, staged)
+        for started in [*pending, *direct]:
+            _land(started, pool, rank, src, ws, staged)
 
 
 def _nodes(b: _Bucket, staged: dict[str, Any]
