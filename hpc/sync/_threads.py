@@ -58,10 +58,9 @@ def oversubscribed(local_ranks: int, threads: int, share: int) -> str:
     """The warning for ``local_ranks`` ranks of ``threads`` torch threads each where
     each should use ``share`` CPUs (pure)."""
     return (f"sync: {local_ranks} ranks run on this host, each with {threads} torch "
-            f"threads, where each has {share} CPU(s) to itself.\nWithout "
-            "OMP_NUM_THREADS every rank's torch starts a thread per core, so the ranks "
-            "compete for the cores (training steps ran 9x slower on a 2-core test "
-            f"host); the sync's own copies now run on {share} thread(s).\nHINT: call "
-            "hpc.init_torch(), launch with torchrun, or export "
-            f"OMP_NUM_THREADS={share} (CPUs per host / ranks per host) before starting "
-            "the ranks.")
+            f"threads, where each has {share} CPU(s) to itself.\nThe ranks compete for "
+            "the cores (training steps ran 9x slower so on a 2-core test host); torch "
+            "starts a thread per core unless OMP_NUM_THREADS or torch.set_num_threads "
+            f"says otherwise. The sync's own copies now run on {share} thread(s).\n"
+            f"HINT: export OMP_NUM_THREADS={share} (CPUs per host / ranks per host) "
+            "before starting the ranks, or call hpc.init_torch(), which sets it.")

@@ -154,5 +154,5 @@ def test_a_plain_script_with_a_thread_per_core_is_warned_and_left_as_it_was() ->
     share = cpus // 2
     assert out.count(f"sync: 2 ranks run on this host, each with {cpus} torch threads, "
                      f"where each has {share} CPU(s) to itself.") == 2, out
-    assert f"HINT: call hpc.init_torch(), launch with torchrun, or export " \
-           f"OMP_NUM_THREADS={share}" in out, out
+    assert f"HINT: export OMP_NUM_THREADS={share} (CPUs per host / ranks per host)" \
+        in out, out
