@@ -139,7 +139,7 @@ def test_a_plain_script_with_a_thread_per_core_is_warned_and_left_as_it_was() ->
     """A script that calls init_process_group itself, started with as many torch threads
     as the host has CPUs on each of 2 ranks (srun python, mp.spawn: no OMP_NUM_THREADS):
     the syncs' copies run on each rank's share (their pool spun on the peer's cores:
-    sync_model 0.71-0.74x a flat broadcast, 0.92-0.95x capped), the values are right,
+    sync_model 0.73x a flat broadcast, 0.88x capped, medians of 5), the values are right,
     the script keeps its thread count, and one warning says why and what to set."""
     cpus = os.cpu_count() or 1
     if cpus < 2:
