@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
+from hpc.bootstrap.threads import cpu_share, usable_cpus
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _groups import describe_group, make_groups
@@ -170,7 +171,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         groups = {"plain world": dist.group.WORLD}
     else:
         info = hpc.init_torch(backend="gloo")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+        torch.set_num_threads(cpu_share(info.local_world_size, usable_cpus(),
+                                        os.cpu_count() or 1))
         rank, ws = info.rank, info.world_size
         groups = make_groups(args.groups.split(","))
     torch.manual_seed(rank)  # different weights per rank, as before a real sync
