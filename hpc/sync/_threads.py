@@ -8,9 +8,10 @@ torch's intra-op pool then wakes the pool, whose threads keep spinning after it
 the same exchange. Measured: ``sync_model`` of a ResNet-50-shaped model, two ranks on
 two cores, a plain ``torchrun`` script, medians of 5 runs: 0.97x a flat broadcast with
 one thread per rank, 0.73x with two (0.90 and 0.92x in two runs with
-``OMP_WAIT_POLICY=PASSIVE``: the spinning is what costs), 0.88x with the cap. :func:`share_of_host` caps torch's threads, for the span of a sync's
-copies, at what :func:`hpc.init_torch` gives each rank
-(:func:`hpc.bootstrap.threads.cpu_share`), and restores the caller's count after it,
+``OMP_WAIT_POLICY=PASSIVE``: the spinning is what costs), 0.88x with the cap.
+:func:`share_of_host` caps torch's threads, for the span of a sync's copies, at what
+:func:`hpc.init_torch` gives each rank (:func:`hpc.bootstrap.threads.cpu_share`), and
+restores the caller's count after it,
 and says once per process (a warning) that the ranks are oversubscribed: their own
 compute suffers more than any sync (DDP on the benchmark supernet, two ranks on two
 cores: 14.7 steps/s with one thread per rank, 1.25-1.72 with two).
