@@ -18,6 +18,8 @@ from tests.helpers.paths import ROOT
 from tests.helpers.processes import clean_env, hpc_run, kill_group
 from tests.helpers.step_hooks import signalling, slowed
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
 
 #: What varies from run to run in an example's output, and what stands in for it.

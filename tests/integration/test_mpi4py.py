@@ -18,6 +18,8 @@ from tests.helpers.paths import ROOT
 from tests.helpers.processes import clean_env, run_group
 from tests.helpers.requires import require
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 pytest.importorskip("mpi4py")
 
 

@@ -8,6 +8,8 @@ import pytest
 from tests.helpers.paths import script
 from tests.helpers.processes import hpc_run
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 
 @pytest.mark.timeout(90)
 def test_failing_rank_aborts_its_group_and_the_clean_one_destroys_it() -> None:

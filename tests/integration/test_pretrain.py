@@ -20,6 +20,8 @@ from tests.conftest import LAUNCHER_VARS
 from tests.helpers.paths import ROOT, script
 from tests.helpers.processes import clean_env, run_group
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.paths import script
 from tests.helpers.processes import clean_env, hpc_run
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.background]  # see setup.cfg
 
 NPROC = 4
 DONE = re.compile(r"rank (\d): done step (\d+) digest (\w+) history (\w+)")

@@ -9,6 +9,8 @@ import pytest
 from tests.helpers.paths import ROOT, script
 from tests.helpers.processes import clean_env, hpc_run, run_group
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 
 @pytest.mark.timeout(120)
 def test_logging_and_master_only(tmp_path) -> None:

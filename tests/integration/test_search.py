@@ -18,6 +18,8 @@ from tests.conftest import LAUNCHER_VARS
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import clean_env
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 

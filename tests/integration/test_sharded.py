@@ -16,6 +16,8 @@ import pytest
 
 from tests.helpers.processes import hpc_run, run_group
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 SCRIPT = "tests/integration/scripts/sharded_ckpt.py"
 STEP = 3
 #: torch.save's framing around each item in a shard file, in bytes (measured: ~1.6 KiB).

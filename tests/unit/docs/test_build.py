@@ -23,6 +23,8 @@ import pytest
 from tests.helpers.paths import ROOT
 from tests.helpers.requires import in_ci
 
+pytestmark = pytest.mark.background  # see setup.cfg
+
 DOCS = ROOT / "docs"
 
 
