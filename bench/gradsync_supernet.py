@@ -68,7 +68,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
-from hpc.bootstrap.threads import cpu_share, usable_cpus
+from hpc.bootstrap.threads import rank_share
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _groups import bf16_hook, describe_group, make_groups
@@ -296,8 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.modes = args.modes.split(",")
     info = hpc.init_torch(backend="gloo")
-    threads = args.threads or cpu_share(info.local_world_size, usable_cpus(),
-                                        os.cpu_count() or 1)
+    threads = args.threads or rank_share(info.local_world_size)
     torch.set_num_threads(threads)
     groups = make_groups(args.groups.split(","))
     for batch in (int(b) for b in args.batches.split(",")):

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hpc
-from hpc.bootstrap.threads import cpu_share, usable_cpus
+from hpc.bootstrap.threads import rank_share
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _groups import describe_group, make_groups
@@ -171,8 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         groups = {"plain world": dist.group.WORLD}
     else:
         info = hpc.init_torch(backend="gloo")
-        torch.set_num_threads(cpu_share(info.local_world_size, usable_cpus(),
-                                        os.cpu_count() or 1))
+        torch.set_num_threads(rank_share(info.local_world_size))
         rank, ws = info.rank, info.world_size
         groups = make_groups(args.groups.split(","))
     torch.manual_seed(rank)  # different weights per rank, as before a real sync

@@ -76,6 +76,11 @@ def cpu_share(local_ranks: int, usable: int, host_cpus: int) -> int:
     return max(1, host_cpus // max(1, local_ranks))
 
 
+def rank_share(local_ranks: int) -> int:
+    """:func:`cpu_share` for this process, one of ``local_ranks`` ranks on its host."""
+    return cpu_share(local_ranks, usable_cpus(), os.cpu_count() or 1)
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (``os.sched_getaffinity``; the host's elsewhere)."""
     try:

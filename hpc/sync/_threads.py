@@ -10,7 +10,7 @@ two cores, a plain ``torchrun`` script, medians of 5 runs: 0.97x a flat broadcas
 one thread per rank, 0.73x with two (0.90 and 0.92x in two runs with
 ``OMP_WAIT_POLICY=PASSIVE``: the spinning is what costs), 0.88x with the cap.
 :func:`share_of_host` caps torch's threads, for the span of a sync's copies, at what
-:func:`hpc.init_torch` gives each rank (:func:`hpc.bootstrap.threads.cpu_share`), and
+:func:`hpc.init_torch` gives each rank (:func:`hpc.bootstrap.threads.rank_share`), and
 restores the caller's count after it,
 and says once per process (a warning) that the ranks are oversubscribed: their own
 compute suffers more than any sync (DDP on the benchmark supernet, two ranks on two
@@ -20,13 +20,12 @@ cores: 14.7 steps/s with one thread per rank, 1.25-1.72 with two).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from hpc.bootstrap.threads import cpu_share, usable_cpus
+from hpc.bootstrap.threads import rank_share
 
 __all__ = ["share_of_host", "oversubscribed"]
 
@@ -41,7 +40,7 @@ def share_of_host(local_ranks: int) -> Iterator[None]:
     ``local_ranks`` ranks run on this host; nothing changes where the count already
     fits (``hpc.init_torch``'s ranks, ``torchrun``'s, a single rank per host)."""
     threads = torch.get_num_threads()
-    share = cpu_share(local_ranks, usable_cpus(), os.cpu_count() or 1)
+    share = rank_share(local_ranks)
     if local_ranks < 2 or threads <= share:
         yield
         return

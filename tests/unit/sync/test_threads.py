@@ -7,14 +7,15 @@ import logging
 import pytest
 import torch
 
+from hpc.bootstrap import threads
 from hpc.sync import _threads
 
 
 @pytest.fixture
 def host_of_4(monkeypatch: pytest.MonkeyPatch) -> None:
     """An unbound process on a 4-CPU host."""
-    monkeypatch.setattr(_threads, "usable_cpus", lambda: 4)
-    monkeypatch.setattr(_threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(_threads, "_WARNED", [])
 
 
