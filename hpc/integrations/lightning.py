@@ -162,7 +162,9 @@ class HPCPreemption(Callback):
     Checkpoints (``hpc-<step>.ckpt``, the Trainer's full state) are written at a stop,
     every ``every_n_steps`` steps and at the end of training, so :meth:`resume_path`
     continues a stopped run, a crashed one from its last periodic checkpoint, and a
-    finished one without training again.
+    finished one without training again. On a resume, the Trainer's ``TensorBoardLogger``
+    writers open with ``purge_step`` at the step the run resumes at, so the steps a crashed
+    attempt logged after its checkpoint show once, as the rerun logs them.
 
     Args:
         dirpath: Where the checkpoints go, on a filesystem every node sees.
@@ -214,6 +216,16 @@ class HPCPreemption(Callback):
         self._saved_step = step
         return str(path)
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any,
+                           checkpoint: dict[str, Any]) -> None:
+        """A resume: the Trainer's TensorBoard loggers drop, from the step the run resumes
+        at, what an earlier attempt logged there (a crashed run's steps since its last
+        checkpoint run again; TensorBoard would show them twice)."""
+        step = _next_logged_step(checkpoint)
+        if step is not None:
+            for each in trainer.loggers:
+                _purge_tensorboard_from(each, step)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
@@ -242,3 +254,29 @@ class HPCPreemption(Callback):
         requeued, 0 not a Slurm job, 1 not requeued); otherwise return (collective)."""
         if self.stopped_at is not None:
             self.stop.requeue_and_exit(*self.stopped_at)
+
+
+def _next_logged_step(checkpoint: dict[str, Any]) -> Optional[int]:
+    """The step at which the resumed fit logs first (pure): the checkpoint's batches that
+    stepped, plus the one Lightning adds when it restarts; None if the checkpoint lacks it."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    stepped = loop.get("_batches_that_stepped")
+    return None if stepped is None else int(stepped) + 1
+
+
+def _purge_tensorboard_from(logger_: Any, step: int) -> None:
+    """Open ``logger_``'s writer, if it is Lightning's ``TensorBoardLogger``, with
+    ``purge_step=step``: TensorBoard then hides what earlier writers logged at ``step``
+    or later. A writer already open (a strategy that restores after setup) is closed, and
+    the next log opens a new one. Nothing for other loggers, or a ``purge_step`` the
+    user set."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    kwargs = getattr(logger_, "_kwargs", None)
+    if not isinstance(logger_, TensorBoardLogger) or not isinstance(kwargs, dict) or \
+            "purge_step" in kwargs:
+        return
+    kwargs["purge_step"] = step
+    if getattr(logger_, "_experiment", None) is not None:
+        logger_._experiment.close()
+        logger_._experiment = None

@@ -76,11 +76,12 @@ def holding(at: int, release: Path, seconds: float = 0.0) -> dict[str, str]:
 
 def kill_rank() -> None:
     """SIGKILL this process at its ``HPC_TEST_KILL_AT``-th poll when it is global rank
-    ``HPC_TEST_KILL_RANK`` (``SLURM_PROCID``), in every attempt and run: a fault that follows
-    the rank wherever it runs, unlike ``HPC_FAULT``, which the supervisor gives the first
-    attempt only."""
+    ``HPC_TEST_KILL_RANK`` (``SLURM_PROCID``; ``RANK`` under ``hpc run``), in every attempt
+    and run: a fault that follows the rank wherever it runs, unlike ``HPC_FAULT``, which
+    the supervisor gives the first attempt only."""
     global _polls
-    if os.environ.get("SLURM_PROCID") != os.environ.get("HPC_TEST_KILL_RANK"):
+    rank = os.environ.get("SLURM_PROCID") or os.environ.get("RANK")  # srun; hpc run
+    if rank != os.environ.get("HPC_TEST_KILL_RANK"):
         return
     _polls += 1
     if _polls >= int(os.environ.get("HPC_TEST_KILL_AT") or 1):

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import clean_env, hpc_run, kill_group
-from tests.helpers.step_hooks import signalling, slowed
+from tests.helpers.step_hooks import killing, signalling, slowed
 
 pytestmark = pytest.mark.background  # see setup.cfg
 
@@ -257,6 +257,33 @@ def check_train_lightning(proc: subprocess.CompletedProcess[str], tmp: Path) -> 
         again.stdout + again.stderr
     assert f"checkpoint at {out}/checkpoints/hpc-00000096.ckpt" in again.stderr, again.stderr
     assert sorted(tensorboard_steps(out / "tensorboard" / rid, "train/loss")) == steps
+    check_lightning_crash(tmp)
+
+
+def check_lightning_crash(tmp: Path) -> None:
+    """Rank 1 SIGKILLed at its 50th step: the rerun resumes from step 40's periodic
+    checkpoint and runs 41-50 again; TensorBoard shows each step once, the rerun's point
+    where both attempts logged one (HPCPreemption opens the writer with ``purge_step``)."""
+    from tests.helpers.trackers import duplicates, tensorboard_steps, tensorboard_values
+
+    out = tmp / "crashed"
+    argv = [str(ROOT / "docs" / "examples" / "train_lightning.py"), "--out", str(out)]
+    crashed = hpc_run(2, argv, timeout=150, env=clean_env(**killing(1, 50)))
+    assert crashed.returncode != 0 and "done step" not in crashed.stdout, crashed.stderr
+    rid = (out / "run_id").read_text().strip()
+    tb = out / "tensorboard" / rid
+    before = tensorboard_values(tb, "train/loss")
+    assert max(before) >= 45, sorted(before)  # logged past the checkpoint it resumes from
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "hpc-00000040.ckpt"
+    resumed = hpc_run(2, argv, timeout=150)
+    assert resumed.returncode == 0 and _framework_done(resumed.stdout)[::2] == ("96", rid), \
+        resumed.stdout + resumed.stderr
+    assert f"checkpoint at {out}/checkpoints/hpc-00000040.ckpt" in resumed.stderr, \
+        resumed.stderr
+    steps = tensorboard_steps(tb, "train/loss")
+    assert sorted(steps) == list(range(96)), duplicates(steps)
+    after = tensorboard_values(tb, "train/loss")
+    assert all(after[s] == before[s] for s in range(40)), "a point before the resume changed"
 
 
 #: Expected output of each example; a new example needs an entry here.

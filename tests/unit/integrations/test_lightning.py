@@ -74,3 +74,48 @@ def test_without_lightning_the_import_names_the_extra() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "HINT: pip install 'torch-hpc[lightning]'" in out.stdout, out.stdout
+
+
+def test_a_resume_reopens_an_open_tensorboard_writer_with_the_purge_step(tmp_path) -> None:  # noqa: ANN001
+    """The writer was open before the checkpoint was restored (a script that wrote to
+    ``logger.experiment`` before ``fit``, or a strategy that restores after setup): it is
+    closed, and the next log opens one with ``purge_step``, so the steps the resumed run
+    logs again replace the crashed attempt's. A real TensorBoardLogger and its files; the
+    Trainer is only the list of its loggers."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from hpc.integrations.lightning import HPCPreemption
+    from tests.helpers.trackers import tensorboard_steps, tensorboard_values
+
+    logger = TensorBoardLogger(tmp_path, name="tb", version="v")
+    for step in range(10):  # the crashed attempt got to step 9
+        logger.log_metrics({"loss": float(step)}, step=step)
+    logger.save()
+    # its checkpoint: 5 batches had stepped (Lightning adds one as it restarts)
+    checkpoint = {"loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": 5}}}}
+    stop = SimpleNamespace()  # not asked here
+    HPCPreemption(tmp_path / "ck", stop).on_load_checkpoint(
+        SimpleNamespace(loggers=[logger]), None, checkpoint)
+    for step in range(6, 12):
+        logger.log_metrics({"loss": 100.0 + step}, step=step)
+    logger.finalize("success")
+    assert sorted(tensorboard_steps(tmp_path / "tb" / "v", "loss")) == list(range(12))
+    assert tensorboard_values(tmp_path / "tb" / "v", "loss") == {
+        **{s: float(s) for s in range(6)}, **{s: 100.0 + s for s in range(6, 12)}}
+
+
+def test_a_purge_step_the_user_set_is_kept(tmp_path) -> None:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from hpc.integrations.lightning import HPCPreemption
+
+    mine = TensorBoardLogger(tmp_path, name="tb", purge_step=3)
+    other = CSVLogger(tmp_path, name="csv")
+    checkpoint = {"loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": 5}}}}
+    HPCPreemption(tmp_path / "ck", SimpleNamespace()).on_load_checkpoint(
+        SimpleNamespace(loggers=[mine, other]), None, checkpoint)
+    assert mine._kwargs["purge_step"] == 3
