@@ -19,6 +19,7 @@ import pytest
 
 from hpc.bootstrap.distributed import EXPORTED
 from hpc.environments import ORDER, OVERRIDE_VARIABLE
+from tests.helpers.processes import timeout_scale
 
 
 def _launcher_vars() -> re.Pattern[str]:
@@ -38,7 +39,8 @@ LAUNCHER_VARS = _launcher_vars()
 
 #: HPC_* variables that configure the test run itself, not the code under test.
 KEPT_KNOBS = frozenset({"HPC_CI", "HPC_TORCH_SPEC", "HPC_TESTCLUSTER_DIR",
-                        "HPC_WRITE_ENV_FIXTURES", "HPC_DOCS_INTERSPHINX"})
+                        "HPC_WRITE_ENV_FIXTURES", "HPC_DOCS_INTERSPHINX",
+                        "HPC_TEST_TIMEOUT_SCALE"})
 
 
 def _knob(name: str) -> bool:
@@ -71,6 +73,20 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch,
         for key in leaked:
             del os.environ[key]
         pytest.fail(f"test leaked launcher variables into os.environ: {leaked}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's pytest-timeout (its marker's, else setup.cfg's) times
+    ``HPC_TEST_TIMEOUT_SCALE`` (:func:`tests.helpers.processes.timeout_scale`)."""
+    scale = timeout_scale()
+    if scale == 1:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker and marker.args else default
+        if seconds:
+            item.add_marker(pytest.mark.timeout(seconds * scale), append=False)
 
 
 def _ci_failure(report: Any, where: str) -> None:

@@ -27,6 +27,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def timeout_scale() -> float:
+    """``HPC_TEST_TIMEOUT_SCALE`` (default 1): how much longer every timeout of a test run
+    is, the tests' own (conftest scales pytest-timeout's) and their processes'
+    (:func:`run_group`). ``.ci/run`` sets it for its background lane, whose tests run at
+    a low CPU weight: no test there has a deadline, only guards against a hang."""
+    return float(os.environ.get("HPC_TEST_TIMEOUT_SCALE") or 1)
+
+
 def kill_group(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL ``proc``'s whole process group (it was started in a session of its own)."""
     try:
@@ -39,10 +47,11 @@ def run_group(argv: Sequence[str], *, timeout: float, input: str | None = None,
               **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(argv, capture_output=True, text=True)`` in a session of its own.
 
-    On a timeout the whole process group is killed (a launcher *and* its ranks, which
-    would otherwise sit in a collective for minutes), then TimeoutExpired is raised with
-    the output so far.
+    On a timeout (``timeout`` times :func:`timeout_scale`) the whole process group is
+    killed (a launcher *and* its ranks, which would otherwise sit in a collective for
+    minutes), then TimeoutExpired is raised with the output so far.
     """
+    timeout *= timeout_scale()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                             text=True, start_new_session=True, **kwargs)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paths import ROOT
-from tests.helpers.processes import clean_env, hpc_run, kill_group
+from tests.helpers.processes import clean_env, hpc_run, kill_group, timeout_scale
 from tests.helpers.step_hooks import killing, signalling, slowed
 
 pytestmark = pytest.mark.background  # see setup.cfg
@@ -161,7 +161,7 @@ def check_train_preemptible(proc: subprocess.CompletedProcess[str], tmp: Path) -
                 os.kill(pids["1"], signal.SIGUSR2)
                 break
         lines += run.stdout.readlines()
-        run.wait(timeout=60)
+        run.wait(timeout=60 * timeout_scale())
     finally:
         if run.poll() is None:
             kill_group(run)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import LAUNCHER_VARS
 from tests.helpers.paths import ROOT, script
-from tests.helpers.processes import clean_env, run_group
+from tests.helpers.processes import clean_env, run_group, timeout_scale
 
 pytestmark = pytest.mark.background  # see setup.cfg
 
@@ -298,7 +298,7 @@ def test_usr2_to_hpc_run_stops_pretrain_with_a_checkpoint(tmp_path: Path) -> Non
                 os.kill(proc.pid, signal.SIGUSR2)
                 break
         lines += proc.stderr.readlines()
-        proc.wait(timeout=60)
+        proc.wait(timeout=60 * timeout_scale())
     finally:
         if proc.poll() is None:
             kill_group(proc)
