@@ -31,6 +31,8 @@ from tests.helpers.requires import require
 from tests.helpers.slurm import FOUR as NODES
 from tests.helpers.slurm import job_on_four, run, slurm_env
 
+pytestmark = pytest.mark.alone  # see setup.cfg
+
 CHECK = ["python", "-m", "hpc", "check"]
 
 

@@ -50,6 +50,7 @@ def windows(out: str) -> list[tuple[int, int]]:
 # --- stragglers ----------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
+@pytest.mark.alone  # see setup.cfg
 def test_slow_rank_is_named_soon_after_its_fault_and_only_then(tmp_path: Path) -> None:
     """``slow:3`` on rank 2 from step 40 (its steps 41 on): named over a window within two
     windows of the fault (a verdict may need two windows in a row), rank 2 alone; the two
@@ -102,6 +103,7 @@ def _duty_cycle(proc: subprocess.Popen[str], pid: int, stopped: float, running: 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.alone  # see setup.cfg
 def test_rank_sigstopped_half_the_time_is_named(tmp_path: Path) -> None:
     """A real stop (SIGSTOP 100 ms in every 200 ms) of rank 1, mostly while it waits in
     a collective: the stall meter counts it as rank 1's compute, not its wait, so rank 1
@@ -116,6 +118,7 @@ def test_rank_sigstopped_half_the_time_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.alone  # see setup.cfg
 def test_rank_sigstopped_30_percent_of_short_steps_is_named(tmp_path: Path) -> None:
     """SIGSTOP 60 ms in every 200 ms of rank 1 while steps take ~12 ms: a stop lands in
     one step of a window, ~3 ms a step on average, and two windows in a row over 1.3x,

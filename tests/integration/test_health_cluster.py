@@ -29,6 +29,8 @@ from tests.helpers.health import TBF, duty_cycle, pretrain_on_four, rank_pid, tc
 from tests.helpers.requires import require
 from tests.helpers.slurm import job_on_four, slurm_env
 
+pytestmark = pytest.mark.alone  # see setup.cfg
+
 AT = 60  #: the fault starts after this step (three healthy windows: the baselines)
 WITHIN = 40  #: named by the window ending at AT + WITHIN
 
