@@ -22,6 +22,8 @@
 * :mod:`hpc.checkpoint.loadable` — what a checkpoint may hold: the ``weights_only``
   loader's rule, applied to every save before the rename, and the message naming a
   refused value;
+* :mod:`hpc.checkpoint.progress` — the progress file: each checkpoint put in place, for
+  ``hpc supervise`` (``HPC_PROGRESS_FILE``; read by the batch host with :func:`read_progress`);
 * :mod:`hpc.checkpoint.sampler` — :class:`ResumableSampler`, a mid-epoch resumable
   ``DistributedSampler``.
 

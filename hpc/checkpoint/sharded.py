@@ -185,7 +185,7 @@ def _finish(tmp: Path, final: Path, step: int, keep: int, shards: list[Digests],
     """The master's last part: the manifest and the rename into place
     (:func:`~hpc.checkpoint.shardfiles.put_in_place`), the note for ``hpc supervise``,
     keep-N. The error text, or None."""
-    from hpc.supervise.progress import note_checkpoint
+    from hpc.checkpoint.progress import note_checkpoint
 
     try:
         put_in_place(tmp, final, step, shards, named)

@@ -41,7 +41,7 @@ def write_checkpoint(payload: dict[str, Any], path: Path, step: int, keep: int
     """Write ``payload`` to ``path`` atomically, note it, prune to ``keep``: the error
     text (fact, cause, HINT), or None."""
     from hpc.checkpoint.files import prune, save_atomic
-    from hpc.supervise.progress import note_checkpoint
+    from hpc.checkpoint.progress import note_checkpoint
 
     try:
         save_atomic(payload, path)  # loads it back by the resume's rule first

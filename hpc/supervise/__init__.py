@@ -9,12 +9,12 @@ shell and restarts it inside the allocation without the host that failed.
   per host, or one mpirun);
 - :mod:`hpc.supervise.hosts`: the allocation, the hosts' Slurm states, and whether they
   answer on slurmd's port;
-- :mod:`hpc.supervise.progress`: the newest checkpoint, as the ranks report it;
 - :mod:`hpc.supervise.supervisor`: the loop (the attempt, scancel, the ledger, requeue);
 - :mod:`hpc.supervise.cli`: ``hpc supervise``.
 
 Runs on the batch host; imports no torch. The ranks only write the progress file
-(:func:`hpc.save_checkpoint` does).
+(:func:`hpc.save_checkpoint` does), which :mod:`hpc.checkpoint.progress` (its writer's
+room) defines and reads.
 """
 
 __all__: list[str] = []

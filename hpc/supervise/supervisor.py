@@ -47,7 +47,7 @@ from hpc.supervise.hosts import (
     tasks_per_node,
 )
 from hpc.supervise.launch import mpirun_argv, mpirun_env, srun_argv
-from hpc.supervise.progress import read_progress
+from hpc.checkpoint.progress import read_progress
 from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import failure
 

@@ -1,5 +1,8 @@
 """The progress file: the newest checkpoint of a supervised step, as the ranks report it.
 
+It lives with its writer (every save on the global master) and has a public reader for
+the batch host.
+
 ``hpc supervise`` (:mod:`hpc.supervise.supervisor`) exports ``HPC_PROGRESS_FILE`` to the
 step it runs; :func:`hpc.save_checkpoint` (and so ``hpc pretrain``) writes the step and
 path of each checkpoint it put in place there, on the global master, atomically. The
