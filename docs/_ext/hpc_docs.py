@@ -152,23 +152,13 @@ class DocstringDirective(SphinxDirective):
         return _parse_rst(self, text, f"<docstring of {module.__name__}>")
 
 
-def _moved(name: str) -> bool:
-    """True for the old path of a module that moved (:mod:`hpc._moved`): not documented."""
-    from hpc._moved import MARKER
-
-    spec = importlib.util.find_spec(name)
-    origin = spec.origin if spec is not None else None
-    return bool(origin) and MARKER in Path(origin).read_text(encoding="utf-8")
-
-
 def public_modules(package: str) -> list[str]:
-    """``package`` and its public submodules (no ``_private`` parts, no moved ones), sorted."""
+    """``package`` and its public submodules (no ``_private`` parts), sorted."""
     pkg = importlib.import_module(package)
     names = [package]
     if hasattr(pkg, "__path__"):
         for info in pkgutil.walk_packages(pkg.__path__, prefix=package + "."):
-            if not any(part.startswith("_") for part in info.name.split(".")) \
-                    and not _moved(info.name):
+            if not any(part.startswith("_") for part in info.name.split(".")):
                 names.append(info.name)
     return sorted(names)
 

@@ -1,5 +1,0 @@
-"""Moved to :mod:`hpc.preempt.stop`; this path warns and goes away in the next release."""
-
-from hpc._moved import moved
-
-moved(__name__, "hpc.preempt.stop")
