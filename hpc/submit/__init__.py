@@ -6,14 +6,10 @@
 * :mod:`hpc.submit.cli` — the ``hpc submit`` command line;
 * :mod:`hpc.submit.payload` — what runs on every task of the job;
 * :mod:`hpc.submit.handle` — :class:`SubmittedJob`: logs, watching, the result;
-* :mod:`hpc.submit.watch` — ``sacct`` state, requeue history, the first failing rank;
-* :mod:`hpc.preempt.requeue` — warning signal -> agreed stop -> checkpoint -> requeue
-  (:mod:`hpc.preempt.guard`: the signals, the stop file and the stop request, :class:`PreemptGuard`);
-* :mod:`hpc.preempt.stop` — :class:`AgreedStop`: the loop's agreed stop, then requeue and exit;
-* :mod:`hpc.checkpoint.resume` — :func:`save_checkpoint` / :func:`restore_checkpoint` for any
-  script (all ranks call, the master writes), on :mod:`hpc.checkpoint.files`'s files;
-* :mod:`hpc.checkpoint.sampler` — :class:`ResumableSampler`, a mid-epoch resumable
-  ``DistributedSampler``.
+* :mod:`hpc.submit.watch` — ``sacct`` state, requeue history, the first failing rank.
+
+What runs in every rank of such a job (the agreed stop, the requeue, checkpoints) is
+:mod:`hpc.preempt` and :mod:`hpc.checkpoint`: they work under any launcher.
 
 Served lazily: importing :mod:`hpc.submit` imports neither torch nor submitit.
 """
@@ -22,15 +18,11 @@ from __future__ import annotations
 
 from hpc._lazy import lazy_attributes
 
-__all__ = ["AgreedStop", "Restored", "ResumableSampler", "SubmitOptions", "SubmittedJob",
-           "make_executor", "parse_sbatch", "restore_checkpoint", "save_checkpoint",
+__all__ = ["SubmitOptions", "SubmittedJob", "make_executor", "parse_sbatch",
            "sbatch_long_options", "submit"]
 
 _LAZY = {"submit": "hpc.submit.executor", "make_executor": "hpc.submit.executor",
          "SubmitOptions": "hpc.submit.options", "parse_sbatch": "hpc.submit.options",
-         "sbatch_long_options": "hpc.submit.options", "SubmittedJob": "hpc.submit.handle",
-         "save_checkpoint": "hpc.checkpoint.resume", "restore_checkpoint": "hpc.checkpoint.resume",
-         "Restored": "hpc.checkpoint.resume", "ResumableSampler": "hpc.checkpoint.sampler",
-         "AgreedStop": "hpc.preempt.stop"}
+         "sbatch_long_options": "hpc.submit.options", "SubmittedJob": "hpc.submit.handle"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
