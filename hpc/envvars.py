@@ -10,8 +10,9 @@ hours later. ``docs/envvars.rst`` renders this table (``.. hpc-envvars::``) and
 ``tests/unit/docs/test_envvars.py`` keeps it and the code's reads the same set.
 
 This module imports nothing of the package but :mod:`hpc.errors`: every room may read
-through it. The one value it takes from a room, the launcher names of ``HPC_LAUNCHER``,
-is looked up from :func:`hpc.environments.launcher_names` when such a value is parsed.
+through it. Which launcher names ``HPC_LAUNCHER`` may take is the environments' own
+rule (:func:`hpc.environments.by_name`, with :func:`refusal`'s message): here its value
+is only checked to be a launcher's name in form.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable, Optional
 from hpc.errors import HPCError, LaunchEnvironmentError, PreemptError
 
 __all__ = ["Variable", "VARIABLES", "DEFAULT_SIGNAL", "VALID_SIGNALS", "check", "value",
-           "parse", "signal_of", "rst_table"]
+           "parse", "refusal", "signal_of", "rst_table"]
 
 DEFAULT_SIGNAL = "USR2"
 #: Signals a job may ask for as its warning or stop signal: catchable, and not the ones
@@ -145,11 +146,13 @@ def _reference(text: str) -> str:
     return text
 
 
-def _launcher(text: str) -> str:
-    from hpc.environments import launcher_names  # the names are the environments' own
+_LAUNCHER_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 
-    if text not in launcher_names():
-        raise ValueError(f"is not a known launcher (one of: {', '.join(launcher_names())})")
+
+def _launcher(text: str) -> str:
+    """A launcher's name in form; which names exist is :mod:`hpc.environments`' rule."""
+    if not _LAUNCHER_NAME.match(text):
+        raise ValueError("is not a launcher name (lowercase letters, digits, dashes)")
     return text
 
 
@@ -340,9 +343,18 @@ def parse(name: str, raw: str) -> Any:
     try:
         return var.parse(text)
     except ValueError as e:
-        raise var.error(f"{_failure(var, raw, str(e))}.\n"
-                        f"{name}: {var.meaning}.\n"
-                        f"HINT: set {_hint(var)}, or unset it.") from e
+        raise refusal(name, raw, str(e)) from e
+
+
+def refusal(name: str, raw: str, reason: str) -> HPCError:
+    """The error refusing ``raw`` for variable ``name``: fact (``reason``), meaning, HINT.
+
+    :func:`parse` raises it for a malformed value; a room whose rule decides more than
+    the form (:func:`hpc.environments.by_name`: which launchers exist) raises the same.
+    """
+    var = VARIABLES[name]
+    return var.error(f"{_failure(var, raw, reason)}.\n{name}: {var.meaning}.\n"
+                     f"HINT: set {_hint(var)}, or unset it.")
 
 
 def value(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:

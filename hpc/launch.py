@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from hpc import envvars
+from hpc.environments import check_override
 from hpc.environments.base import free_port
 from hpc.watchdog.failure import GENERIC_MESSAGE, first_failure, read_mark
 
@@ -177,6 +178,8 @@ def run(cmd: Sequence[str], nproc: int, *, prefix: bool = True,
     if not cmd:
         raise ValueError("no command given; usage: hpc run --nproc N -- CMD ...")
     envvars.check(os.environ)  # a typo fails here once, not in every rank
+    if os.environ.get("HPC_LAUNCHER", "").strip():  # the names: the environments' rule
+        check_override(os.environ["HPC_LAUNCHER"].strip())
     relay = envvars.value("HPC_PREEMPT_SIGNAL", os.environ)
     job = _Job(resolve_command(cmd), nproc, prefix, relay)
     port = port or int(os.environ.get("MASTER_PORT") or free_port("127.0.0.1"))

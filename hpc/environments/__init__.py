@@ -27,7 +27,7 @@ from hpc.environments.torchrun import TorchrunEnvironment, parse_local_rank
 from hpc.errors import InconsistentEnvironmentError, LaunchEnvironmentError
 
 __all__ = [
-    "ORDER", "DistInfo", "Environment", "detect", "by_name", "launcher_names",
+    "ORDER", "DistInfo", "Environment", "detect", "by_name", "check_override", "launcher_names",
     "no_launcher_hint", "parse_local_rank", "expand_hostnames", "expand_tasks_per_node",
 ]
 
@@ -96,8 +96,19 @@ def by_name(name: str) -> type[Environment]:
     names = {env.name: env for env in ORDER}
     names.update(_ALIASES)
     if name not in names:
-        envvars.parse(OVERRIDE_VARIABLE, name)  # an unknown name: the table's error
+        check_override(name)  # an unknown name: HPC_LAUNCHER's refusal
     return names[name]
+
+
+def check_override(name: str) -> None:
+    """Refuse ``name`` as ``HPC_LAUNCHER`` unless it is one of :func:`launcher_names`.
+
+    Raises:
+        LaunchEnvironmentError: the value, the names it may take, HINT.
+    """
+    if name not in launcher_names():
+        raise envvars.refusal(OVERRIDE_VARIABLE, name, "is not a known launcher (one of: "
+                              f"{', '.join(launcher_names())})")
 
 
 def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
@@ -115,6 +126,8 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     forced = envvars.value(OVERRIDE_VARIABLE, env) or ""
+    if forced:
+        check_override(forced)
     if forced and forced not in RUNTIME_LAUNCHERS:
         return by_name(forced).read(env)
     if forced:  # resolved at init time

@@ -15,7 +15,7 @@ from tests.helpers.processes import clean_env, run_group
 
 #: One typo per variable that has a form, the way users make them.
 TYPOS = {
-    "HPC_LAUNCHER": "pbs",
+    "HPC_LAUNCHER": "PBS Pro",  # the form; an unknown name: test_detect
     "HPC_CONNECT_TIMEOUT": "2m",
     "HPC_NETWORK": "auto",
     "HPC_HANG_TIMEOUT": "5min",

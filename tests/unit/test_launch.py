@@ -105,3 +105,18 @@ def test_resolve_command_finds_a_console_script_beside_the_interpreter(tmp_path)
 def test_rank_env_says_whether_hpc_run_prefixes_lines() -> None:
     assert rank_env(0, 2, 1, "r", base={}, prefixed=True)["HPC_RUN_PREFIXED"] == "1"
     assert rank_env(0, 2, 1, "r", base={"HPC_RUN_PREFIXED": "1"})["HPC_RUN_PREFIXED"] == "0"
+
+
+def test_hpc_run_refuses_an_unknown_launcher_before_it_starts_a_rank(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """``HPC_LAUNCHER=pbs hpc run``: the environments' list of names, once, no rank."""
+    from hpc import launch
+    from hpc.errors import LaunchEnvironmentError
+
+    started = tmp_path / "started"
+    with monkeypatch.context() as m, pytest.raises(
+            LaunchEnvironmentError, match=r"HPC_LAUNCHER='pbs' is not a known launcher "
+            r"\(one of: torchrun, hpc-run, "):
+        m.setenv("HPC_LAUNCHER", "pbs")
+        launch.run([sys.executable, "-c", f"open({str(started)!r}, 'w')"], 2)
+    assert not started.exists()
