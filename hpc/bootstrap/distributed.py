@@ -20,7 +20,7 @@ step, at the point where the next phase reads them:
 * ``CUDA_VISIBLE_DEVICES`` narrowed to the local rank's MIG instance, before CUDA starts;
 * the NCCL Flight Recorder settings (:func:`hpc.watchdog.monitor.flight_recorder_env`)
   and ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
-  (:func:`hpc.bootstrap.network.interface_env`), before the pre-flight and
+  (:func:`hpc.bootstrap.interfaces.interface_env`), before the pre-flight and
   ``init_process_group``.
 """
 
@@ -319,13 +319,13 @@ def _init_process_group(info: DistInfo, backend: str, dev: Any, timeout: timedel
 
             with phases.phase("gpu claim"):
                 gpu = gpubind.local_claim(info.rank, info.local_rank, dev.index)
-        from hpc.bootstrap import network
+        from hpc.bootstrap import interfaces
 
-        how, pinned = network.mode(env), {}  # an unknown HPC_NETWORK: refused anywhere
+        how, pinned = interfaces.mode(env), {}  # an unknown HPC_NETWORK: refused anywhere
         if info.local_world_size < info.world_size:  # on one node nothing crosses one
             with phases.phase("network"):
-                pinned = network.interface_env(info.master_addr, os.environ,
-                                               info.local_rank, how)
+                pinned = interfaces.interface_env(info.master_addr, os.environ,
+                                                  info.local_rank, how)
         _export(pinned)  # before the pre-flight reports them and gloo/NCCL read them
         store = preflight.preflight(info, connect_timeout, timeout, env, gpu=gpu,
                                     backend=backend, pinned=pinned)

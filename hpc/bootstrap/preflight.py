@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from hpc.bootstrap import network
+from hpc.bootstrap import interfaces, network
 from hpc.bootstrap.backend import parse_backend
 from hpc.bootstrap.phases import phase
 from hpc.environments import DistInfo
@@ -129,11 +129,12 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
     ``gpu`` is the GPU this rank bound for nccl; rank 0 refuses a GPU claimed twice.
     ``backend`` is the backend this rank picked; rank 0 refuses a mix (None: unchecked).
     Rank 0 and each other node's local rank 0 publish their network
-    (:mod:`hpc.bootstrap.network`; ``pinned``: the interface variables
-    :func:`~hpc.bootstrap.network.interface_env` returned and init set), the latter after
-    probing the master's addresses nothing shows reachable, and rank 0 refuses a
-    multi-node run whose network is known to break, unless ``HPC_NETWORK=off``; with
-    every rank on one node (``local_world_size == world_size``) nothing is published.
+    (:mod:`hpc.bootstrap.interfaces`; ``pinned``: the interface variables
+    :func:`~hpc.bootstrap.interfaces.interface_env` returned and init set), the latter
+    after probing the master's addresses nothing shows reachable, and rank 0 refuses a
+    multi-node run whose network is known to break (:mod:`hpc.bootstrap.network`),
+    unless ``HPC_NETWORK=off``; with every rank on one node
+    (``local_world_size == world_size``) nothing is published.
     The returned store's timeout is ``pg_timeout`` on every rank: NCCL fetches its
     unique id through it, so what was left of the pre-flight window must not apply.
 
@@ -157,7 +158,7 @@ def preflight(info: DistInfo, connect_timeout: float, pg_timeout: timedelta,
         store, answerer, reached = _open_store(info, addr, port, env, pg_timeout,
                                                (start, deadline))
     # on one node the network is never refused: no reports to publish or read
-    checked = network.mode(env) != "off" and info.local_world_size < info.world_size
+    checked = interfaces.mode(env) != "off" and info.local_world_size < info.world_size
     if checked:
         with phase("preflight.network"):
             _publish_network(store, info, pinned, reached, backend, deadline)
@@ -222,16 +223,16 @@ def _open_store(info: DistInfo, addr: str, port: int, env: Mapping[str, str],
 
 def _publish_network(store: Any, info: DistInfo, pinned: Mapping[str, str] | None,
                      reached: str | None, backend: str | None, deadline: float) -> None:
-    """Rank 0 publishes the master's :func:`~hpc.bootstrap.network.local_report`; the
+    """Rank 0 publishes the master's :func:`~hpc.bootstrap.interfaces.local_report`; the
     local rank 0 of every other node probes the master's addresses that nothing shows
     reachable (:func:`~hpc.bootstrap.network.probe_targets`) and publishes its own report
     with the outcome, for rank 0's :func:`~hpc.bootstrap.network.check`."""
     if info.rank == 0:
-        store.set(_NET_MASTER, json.dumps(network.local_report(os.environ, pinned)))
+        store.set(_NET_MASTER, json.dumps(interfaces.local_report(os.environ, pinned)))
         return
     if info.local_rank != 0:  # one report per node
         return
-    report = network.local_report(os.environ, pinned)
+    report = interfaces.local_report(os.environ, pinned)
     until = min(deadline, time.monotonic() + NET_WAIT)
     try:  # rank 0 sets it as soon as its store exists
         store.wait([_NET_MASTER], timedelta(seconds=max(0.01, until - time.monotonic())))

@@ -342,7 +342,7 @@ def test_minimal_example_on_two_nodes_shows_the_start_up_lines(job: str, tmp_pat
         return found[0]
 
     for rank, host in enumerate(("node1", "node2")):
-        net = first("INFO hpc.bootstrap.network: network: master node1 ", host)
+        net = first("INFO hpc.bootstrap.interfaces: network: master node1 ", host)
         assert "is reachable over" in lines[net], lines[net]
         init = first(f"INFO hpc.bootstrap.distributed: initialised slurm rank {rank}/2", host)
         assert net < init < first("INFO train_minimal: epoch 0", host), proc.stderr

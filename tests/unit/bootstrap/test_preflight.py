@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hpc.bootstrap import network
+from hpc.bootstrap import interfaces
 from hpc.bootstrap import preflight as preflight_module
 from hpc.bootstrap.preflight import mixed_backend_error, preflight
 from hpc.environments.base import DistInfo, free_port
@@ -80,7 +80,7 @@ def _run_nodes(reports: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
     port = free_port("127.0.0.1")
     ws = len(reports)
     mine = {f"rank{r}": report for r, report in enumerate(reports)}
-    monkeypatch.setattr(network, "local_report",
+    monkeypatch.setattr(interfaces, "local_report",
                         lambda environ, pinned=None: dict(mine[threading.current_thread().name]))
     out: list[Any] = [None] * ws
 
@@ -113,7 +113,7 @@ def test_a_routed_node_probes_the_masters_address_and_passes(
     """node2 shares no subnet with the master, whose gloo address is not MASTER_ADDR
     (127.0.0.1 here): node2 connects to it (a real address of this host, where rank 0's
     store listens on every interface) and the run goes on."""
-    own = network.addresses()
+    own = interfaces.addresses()
     if not own:
         pytest.skip("this host has no non-loopback IPv4 address to stand for the master's")
     name, addr, prefix = own[0]
