@@ -37,13 +37,13 @@ __all__ = [
 # Names served lazily so that `import hpc` (and `hpc run`) never imports torch.
 _LAZY = {
     "init_torch": "hpc.bootstrap.distributed", "teardown": "hpc.bootstrap.distributed",
-    "export_env": "hpc.bootstrap.distributed", "info": "hpc.bootstrap.distributed", "device": "hpc.bootstrap.distributed",
-    "is_dist": "hpc.bootstrap.distributed", "get_rank": "hpc.bootstrap.distributed",
-    "get_local_rank": "hpc.bootstrap.distributed", "get_world_size": "hpc.bootstrap.distributed",
-    "get_local_world_size": "hpc.bootstrap.distributed", "get_node_rank": "hpc.bootstrap.distributed",
-    "is_master": "hpc.bootstrap.distributed", "is_local_master": "hpc.bootstrap.distributed",
-    "master_only": "hpc.bootstrap.distributed", "barrier": "hpc.bootstrap.distributed",
-    "seed_everything": "hpc.bootstrap.distributed", "setup_logging": "hpc.log",
+    "export_env": "hpc.bootstrap.distributed", "seed_everything": "hpc.bootstrap.distributed",
+    # who this process is (hpc.roles: recorded by init_torch, or detected before it)
+    "info": "hpc.roles", "device": "hpc.roles", "is_dist": "hpc.roles", "get_rank": "hpc.roles",
+    "get_local_rank": "hpc.roles", "get_world_size": "hpc.roles",
+    "get_local_world_size": "hpc.roles", "get_node_rank": "hpc.roles", "is_master": "hpc.roles",
+    "is_local_master": "hpc.roles", "master_only": "hpc.roles", "barrier": "hpc.roles",
+    "setup_logging": "hpc.log",
     "sync_model": "hpc.sync.model", "sync_gradients": "hpc.sync.grads", "GradSync": "hpc.sync.grads",
     # checkpoint, resume and the agreed stop for any script (docs/preemptible.md)
     "save_checkpoint": "hpc.checkpoint.resume", "restore_checkpoint": "hpc.checkpoint.resume",

@@ -149,9 +149,9 @@ def setup_logging(info: DistInfo | None = None, level: int = logging.INFO,
     """
     env = os.environ if environ is None else environ
     if info is None:
-        from hpc.bootstrap.distributed import info as current
+        from hpc import roles
 
-        info = current()
+        info = roles.info()
     console_level = _console_level(info, level, console, env)
     root = logging.getLogger(logger_name)
     for h in _HANDLERS:

@@ -1,4 +1,7 @@
-"""``init_torch`` / ``teardown``, roles and barriers.
+"""``init_torch`` / ``teardown``: the launch detected, exported and initialised.
+
+The roles it records (``hpc.get_rank()``, ``hpc.is_master()``, ...) are read through
+:mod:`hpc.roles`.
 
 A training script written for torch-hpc looks the same under every launcher::
 
@@ -27,29 +30,23 @@ step, at the point where the next phase reads them:
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import random
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
-from hpc import envvars
+from hpc import envvars, roles
 from hpc.bootstrap import phases, threads
 from hpc.environments import DistInfo, detect
 from hpc.errors import LaunchEnvironmentError
 
-__all__ = [
-    "init_torch", "teardown", "export_env", "torchrun_env", "info", "device", "is_dist",
-    "get_rank", "get_local_rank", "get_world_size", "get_local_world_size", "get_node_rank",
-    "is_master", "is_local_master", "master_only", "barrier", "seed_everything",
-]
+__all__ = ["init_torch", "teardown", "export_env", "torchrun_env", "seed_everything"]
 
 logger = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
 
-_STATE: dict[str, Any] = {"info": None, "device": None, "atexit": False}
+_STATE: dict[str, Any] = {"atexit": False}
 
 #: Default collective timeout; torch's own default is 30 minutes (10 for NCCL).
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -232,8 +229,8 @@ def init_torch(backend: Optional[str] = None, seed: Optional[int] = None,
 
     Idempotent: a second call returns the first call's result.
     """
-    if _STATE["info"] is not None:
-        return _STATE["info"]
+    if roles.current() is not None:
+        return roles.current()
     from hpc.log import held_until_setup
 
     with held_until_setup():  # its INFO lines, for a setup_logging called after it
@@ -268,7 +265,7 @@ def _init_torch(backend: Optional[str], seed: Optional[int],
             seed_everything(seed)
     if not dist.is_initialized():
         _init_process_group(info, backend, dev, timeout, connect_timeout, env)
-    _STATE.update(info=info, device=dev)
+    roles.set_current(info, dev)
     with phases.phase("exit hooks"):
         _register_exit(info.rank, env)
     logger.info("initialised %s, backend %s, device %s", info.describe(), backend, dev)
@@ -369,76 +366,4 @@ def teardown() -> None:
     from hpc.bootstrap import shutdown
 
     shutdown.close_group()
-    _STATE.update(info=None, device=None)
-
-
-def info() -> DistInfo:
-    """The :class:`DistInfo` of :func:`init_torch`, or a fresh :func:`detect`."""
-    return _STATE["info"] or detect()
-
-
-def device() -> Any:
-    """The device :func:`init_torch` bound (``cuda:i`` or ``cpu``)."""
-    import torch
-
-    return _STATE["device"] or torch.device("cpu")
-
-
-def is_dist() -> bool:
-    """True when torch.distributed is initialised with more than one rank."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def get_rank() -> int:
-    """Global rank (0 when not distributed)."""
-    return info().rank
-
-
-def get_local_rank() -> int:
-    """Rank on this node."""
-    return info().local_rank
-
-
-def get_world_size() -> int:
-    """Number of processes."""
-    return info().world_size
-
-
-def get_local_world_size() -> int:
-    """Number of processes on this node."""
-    return info().local_world_size
-
-
-def get_node_rank() -> int:
-    """Index of this node."""
-    return info().node_rank
-
-
-def is_master() -> bool:
-    """True on global rank 0: the one that writes files."""
-    return get_rank() == 0
-
-
-def is_local_master() -> bool:
-    """True on local rank 0 of each node: the one that logs to the console."""
-    return get_local_rank() == 0
-
-
-def master_only(fn: F) -> F:
-    """Run ``fn`` on the global master only; other ranks get ``None``."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs) if is_master() else None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def barrier() -> None:
-    """Block until every rank arrives (no-op when not distributed)."""
-    import torch.distributed as dist
-
-    if is_dist():
-        dist.barrier()
+    roles.set_current(None)
