@@ -3,7 +3,8 @@
 * :mod:`hpc.sync.model` — ``sync_model``: parameters and buffers, bucketed;
 * :mod:`hpc.sync.grads` — ``sync_gradients``/``GradSync`` for supernets;
 * :mod:`hpc.sync._plan`, :mod:`hpc.sync._pack`, :mod:`hpc.sync._collective`,
-  :mod:`hpc.sync._shm` (same-host exchange through ``/dev/shm``) and
+  :mod:`hpc.sync._shm` (same-host exchange through ``/dev/shm``),
+  :mod:`hpc.sync._shm_region` (its regions: naming, opening, sweeping) and
   :mod:`hpc.sync._users` — their internals.
 
 Served lazily: importing :mod:`hpc.sync` does not import torch.

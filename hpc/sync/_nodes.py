@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from hpc.errors import HPCError
-from hpc.sync._shm import SHM_DIR, ShmLane, barrier, open_lane, try_open
+from hpc.sync._shm import ShmLane, barrier
+from hpc.sync._shm_region import SHM_DIR, open_lane, try_open
 from hpc.sync.agree import all_true
 
 __all__ = ["NodeLane", "NodeBroadcast", "Topology", "node_key", "topology_of", "topology",
@@ -283,8 +284,8 @@ def open_exchange(half: int, group: Optional[Any], want: Optional[bool],
     :class:`~hpc.sync._shm.ShmLane` when every rank is on one node, a :class:`NodeLane`
     across nodes (:func:`hierarchy_problem`), or None (the same on every rank).
 
-    ``want`` from :func:`~hpc.sync._shm.lane_wanted` (None: decided without asking);
-    ``required``: raise :class:`HPCError` instead of returning None."""
+    ``want`` from :func:`~hpc.sync._shm_region.lane_wanted` (None: decided without
+    asking); ``required``: raise :class:`HPCError` instead of returning None."""
     if want is None:
         return open_lane(half, group, want, required)
     topo = topology(group)

@@ -45,7 +45,8 @@ from hpc.sync._collective import (
 from hpc.sync._pack import Layout
 from hpc.sync._plan import Arena, Bucket, local_mask, make_plan, trainable
 from hpc.sync._nodes import NodeLane, open_exchange
-from hpc.sync._shm import ShmLane, half_bytes, lane_wanted
+from hpc.sync._shm import ShmLane, half_bytes
+from hpc.sync._shm_region import lane_wanted
 from hpc.sync._threads import share_of_host
 from hpc.sync._users import Users, check_agreed, check_own_row, users_matrix
 from hpc.watchdog import tracker

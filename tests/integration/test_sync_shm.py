@@ -81,17 +81,17 @@ OPENING = textwrap.dedent("""
     import torch
     from torch import nn
     import hpc
-    from hpc.sync import _shm
+    from hpc.sync import _shm_region
 
     mode = sys.argv[1]
     info = hpc.init_torch(backend="gloo", seed=0)
     torch.set_num_threads(1)
-    label = getattr(_shm, "job_label", lambda environ: "?")(os.environ)
+    label = getattr(_shm_region, "job_label", lambda environ: "?")(os.environ)
     print(f"OWNER rank={info.rank} pid={os.getpid()} job={label}", flush=True)
     if info.rank == 1 and mode == "kill":
         def killed(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        _shm._map_all = killed
+        _shm_region._map_all = killed
     if info.rank == 1 and mode == "fail":
         def failing(*args, **kwargs):
             raise RuntimeError("injected: cannot map the region")
