@@ -34,7 +34,8 @@ from typing import IO
 from hpc import envvars
 from hpc.environments import check_override
 from hpc.environments.base import free_port
-from hpc.watchdog.failure import GENERIC_MESSAGE, first_failure, read_mark
+from hpc.watchdog.failure import first_failure
+from hpc.watchdog.marks import GENERIC_MESSAGE, read_mark
 
 __all__ = ["rank_env", "resolve_command", "run"]
 

@@ -349,16 +349,16 @@ def _register_exit(rank: int, env: Mapping[str, str]) -> None:
         return
     atexit.register(teardown)
     _STATE["atexit"] = True
-    from hpc.watchdog import failure
+    from hpc.watchdog import marks
 
-    failure.watch()  # teardown aborts, rather than destroys, a failing rank's group
-    failure.install(rank, env)  # after teardown's handler: runs before it
+    marks.watch()  # teardown aborts, rather than destroys, a failing rank's group
+    marks.install(rank, env)  # after teardown's handler: runs before it
 
 
 def teardown() -> None:
     """Destroy the process group (safe to call twice; also runs at exit).
 
-    A failing process (:func:`hpc.watchdog.failure.failed`) aborts the group instead:
+    A failing process (:func:`hpc.watchdog.marks.failed`) aborts the group instead:
     destroying it flushes pending NCCL work, which hangs when peers are gone, and the
     launcher's kill-on-bad-exit or ``hpc run``'s report would never come. The how is
     :func:`hpc.bootstrap.shutdown.close_group`.

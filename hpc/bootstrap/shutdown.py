@@ -26,7 +26,7 @@ def close_group() -> None:
 
         import torch.distributed as dist
 
-        from hpc.watchdog import failure
+        from hpc.watchdog import marks
         from hpc.watchdog import monitor as watchdog
 
         dog = watchdog.stop()
@@ -37,7 +37,7 @@ def close_group() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(watchdog.EXIT_CODE)
-        if dist.is_available() and dist.is_initialized() and failure.failed():
+        if dist.is_available() and dist.is_initialized() and marks.failed():
             _abort_group(dist)
             # The clean run's race below, on a failing rank: 2 of 194 runs of
             # test_health's bitflip cases ended a rank that raised with SIGABRT

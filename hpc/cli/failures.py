@@ -1,13 +1,14 @@
 """``hpc first-failure DIR``: which rank failed first, from the failure marks in DIR.
 
 Each rank started by :func:`hpc.init_torch` with ``HPC_ERROR_DIR=DIR`` records there
-when and why it began to fail (:mod:`hpc.watchdog.failure`). The sbatch templates in
-``slurm/`` run this after a failed ``srun`` so that the job's log names the rank whose
-failure began first, with host, pid, time and message, instead of leaving the reader
-with srun's lines, which come in the order srun learned of the exits. ``--log FILE``
-(the job's output) adds the ranks srun reported as failed, so a rank that only exited
-non-zero counts too, and a rank killed by a signal (no mark) that srun saw first is
-named. Exit status 0 when a first failure was found, 1 when none.
+when and why it began to fail (:mod:`hpc.watchdog.marks`; the rule that reads them is
+:mod:`hpc.watchdog.failure`). The sbatch templates in ``slurm/`` run this after a failed
+``srun`` so that the job's log names the rank whose failure began first, with host, pid,
+time and message, instead of leaving the reader with srun's lines, which come in the
+order srun learned of the exits. ``--log FILE`` (the job's output) adds the ranks srun
+reported as failed, so a rank that only exited non-zero counts too, and a rank killed by
+a signal (no mark) that srun saw first is named. Exit status 0 when a first failure was
+found, 1 when none.
 """
 
 from __future__ import annotations

@@ -109,9 +109,9 @@ def _handle(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except HPCError as e:
         from hpc import envvars
-        from hpc.watchdog import failure
+        from hpc.watchdog import marks
 
-        failure.mark_exception(e)
+        marks.mark_exception(e)
         os.write(2, f"hpc {args.command}: {type(e).__name__}: {e}\n".encode(errors="replace"))
         if envvars.value("HPC_TRACEBACK"):
             raise

@@ -120,7 +120,7 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
     try:
         result = stage(cfg, stop_requested=stop.guard)  # agreed inside the loop
     except (HPCError, ValueError, FileNotFoundError, TypeError) as e:
-        from hpc.watchdog.failure import mark_exception
+        from hpc.watchdog.marks import mark_exception
 
         logger.error("%s", e)
         logger.debug("%s failed", command, exc_info=True)
@@ -141,7 +141,7 @@ def run_stage(command: str, cls: Any, args: argparse.Namespace,
 
 def _failing(reason: str) -> int:
     """Exit status 1, the process marked as failing: its exit aborts the process group."""
-    from hpc.watchdog.failure import note_failure
+    from hpc.watchdog.marks import note_failure
 
     note_failure(reason)
     return 1

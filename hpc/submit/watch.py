@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc.errors import SubmitError
-from hpc.watchdog import failure
+from hpc.watchdog.failure import describe_failure
 
 __all__ = [
     "Run",
@@ -106,7 +106,7 @@ def failure_summary(run: Run, logs: Sequence[Path], marks: str | Path | None = N
     """Why a finished job failed: its state and
     :func:`~hpc.watchdog.failure.describe_failure`'s lines."""
     return "\n".join([f"job {run.job_id} {run.state} (exit code {run.exit_code or '?'})",
-                      *failure.describe_failure(logs, marks)])
+                      *describe_failure(logs, marks)])
 
 
 def wait(job_id: str, timeout: float | None = None, poll: float = 2.0,

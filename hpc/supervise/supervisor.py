@@ -49,7 +49,8 @@ from hpc.supervise.hosts import (
 from hpc.supervise.launch import mpirun_argv, mpirun_env, srun_argv
 from hpc.checkpoint.progress import read_progress
 from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
-from hpc.watchdog import failure
+from hpc.watchdog import marks
+from hpc.watchdog.launchlog import srun_exits
 
 __all__ = ["Options", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S", "CANCEL_S"]
 
@@ -107,10 +108,10 @@ def _open_mpi(launcher: Sequence[str]) -> bool:
 
 def _marks(directory: Path) -> dict[int, Mark]:
     out = {}
-    for rank in sorted(failure._marked(str(directory))):
-        mark = failure.read_mark(str(directory), rank)
+    for rank in sorted(marks.marked(str(directory))):
+        mark = marks.read_mark(str(directory), rank)
         if mark is not None:
-            out[rank] = Mark(mark[0], mark[1], failure._origin(str(directory), rank)[0])
+            out[rank] = Mark(mark[0], mark[1], marks.origin(str(directory), rank)[0])
     return out
 
 
@@ -151,7 +152,7 @@ class Attempt:
 
     def _failing_since(self) -> Optional[tuple[float, float]]:
         """(when, how long srun gets to end the step) once a rank failed, else None."""
-        exits = failure.srun_exits(self.lines)
+        exits = srun_exits(self.lines)
         if any(not x.after_cancel and x.by_signal
                for x in exits):
             return time.monotonic(), KILLED_SETTLE_S
@@ -220,7 +221,7 @@ class Attempt:
     def evidence(self, code: int) -> Evidence:
         states = node_states(self.hosts)
         states.update(self.lost)
-        return Evidence(code, failure.srun_exits(self.lines), _marks(self.error_dir),
+        return Evidence(code, srun_exits(self.lines), _marks(self.error_dir),
                         tuple(self.hosts), states, addresses(self.hosts))
 
 

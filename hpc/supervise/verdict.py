@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpc.errors import EXIT_REQUEUED
-from hpc.watchdog.failure import GENERIC_MESSAGE, PEER_LOST, SrunExit
+from hpc.watchdog.failure import PEER_LOST
+from hpc.watchdog.launchlog import SrunExit, compact_ranks
+from hpc.watchdog.marks import GENERIC_MESSAGE
 
 __all__ = ["Evidence", "Mark", "Verdict", "classify", "COMPLETED", "REQUEUED",
            "INFRASTRUCTURE", "APPLICATION", "UNREACHABLE"]
@@ -61,7 +63,7 @@ _ADDRESS = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?")
 
 @dataclass(frozen=True)
 class Mark:
-    """One rank's failure mark (:mod:`hpc.watchdog.failure`)."""
+    """One rank's failure mark (:mod:`hpc.watchdog.marks`)."""
 
     time: float
     message: str
@@ -109,9 +111,7 @@ def gone(state: str) -> bool:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    from hpc.watchdog.failure import _compact
-
-    return ("rank " if len(ranks) == 1 else "ranks ") + _compact(sorted(ranks))
+    return ("rank " if len(ranks) == 1 else "ranks ") + compact_ranks(sorted(ranks))
 
 
 def _signal_deaths(e: Evidence, stuck: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:

@@ -55,7 +55,7 @@ from typing import Any
 from hpc import envvars
 from hpc.environments import DistInfo
 from hpc.errors import CollectiveError
-from hpc.watchdog import failure, report, tracker
+from hpc.watchdog import marks, report, tracker
 
 __all__ = ["DEFAULT_HANG_TIMEOUT", "EXIT_CODE", "EXIT_GRACE", "Watchdog",
            "flight_recorder_env", "start", "stop"]
@@ -347,8 +347,8 @@ class Watchdog:
             return
         for r in stuck:
             origin = (str(entries[r].get("host") or ""), int(entries[r].get("pid") or 0))
-            failure.write_mark(self.error_dir, r, text.splitlines()[0],
-                               float(entries[r].get("since") or time.time()), origin)
+            marks.write_mark(self.error_dir, r, text.splitlines()[0],
+                             float(entries[r].get("since") or time.time()), origin)
 
     def _end_silent(self, silent: list[int], entries: Mapping[int, Mapping[str, Any]]) -> None:
         """Kill culprits that cannot end themselves: on this host, or the Slurm step."""

@@ -43,7 +43,7 @@ def sacct_history(job_ids: list[str]) -> str:
 def assert_no_failure_marks(job_dir: Path) -> None:
     """No rank of any run of the job left a failure mark in ``job_dir/failures-*/``: a
     clean run and the agreed exit 75 after a requeue are not failures."""
-    from hpc.watchdog.failure import read_mark
+    from hpc.watchdog.marks import read_mark
 
     runs = sorted(job_dir.glob("failures-*"))
     assert runs, f"no failures-<restart>/ in {job_dir}: the test looks in the wrong place"

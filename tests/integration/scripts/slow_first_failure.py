@@ -10,12 +10,12 @@ import os
 import sys
 import time
 
-from hpc.watchdog import failure
+from hpc.watchdog import marks
 
 rank = int(os.environ["RANK"])
 if rank == 1:
     atexit.register(time.sleep, 2.0)  # a slow teardown, after the mark is written
-failure.install(rank)
+marks.install(rank)
 if rank == 1:
     raise RuntimeError("rank 1 broke first")
 time.sleep(0.5)

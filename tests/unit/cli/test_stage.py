@@ -16,9 +16,9 @@ from tests.helpers.processes import clean_env  # noqa: E402
 _PROBE = """
 import sys
 from importlib import import_module
-from hpc.watchdog import failure
+from hpc.watchdog import marks
 code = import_module(sys.argv[1]).main(sys.argv[2:])
-print("exit", code, "failing", failure.failed())
+print("exit", code, "failing", marks.failed())
 """
 
 #: A command line of each stage that fails inside the stage (not in its argument parsing).

@@ -38,11 +38,12 @@ def test_wait_reads_the_failure_marks_where_the_batch_script_puts_them(
     job = SubmittedJob(types.SimpleNamespace(job_id="42", num_tasks=4), options)
     assert job.marks(1) == Path(exported)
 
-    from hpc.watchdog import failure
+    from hpc.watchdog.failure import first_by_marks
+    from hpc.watchdog.marks import write_mark
 
     Path(exported).mkdir(parents=True)
-    failure.write_mark(exported, 3, "RuntimeError: rank 3 broke first", 1_000_000_001.0)
-    assert "rank 3 broke first" in (failure.first_by_marks(job.marks(1)) or "")
+    write_mark(exported, 3, "RuntimeError: rank 3 broke first", 1_000_000_001.0)
+    assert "rank 3 broke first" in (first_by_marks(job.marks(1)) or "")
 
 
 def test_describe_counts_the_spare_nodes_apart() -> None:

@@ -45,7 +45,7 @@ def test_follow_prints_each_state_once_while_sacct_does_not_list_the_job_yet(
 
 def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) -> None:
     """srun lists rank 0 first (it exited first); rank 1's failure began earlier."""
-    from hpc.watchdog import failure
+    from hpc.watchdog.marks import write_mark
 
     log = tmp_path / "0.err"
     log.write_text("0: RuntimeError: peer gone\n"
@@ -53,9 +53,9 @@ def test_failure_summary_takes_the_first_failure_from_the_marks(tmp_path: Path) 
                    "srun: error: node2: task 1: Exited with exit code 1\n")
     marks = tmp_path / "failures-0"
     marks.mkdir()
-    failure.write_mark(str(marks), 0, "RuntimeError: peer gone", 1_000_000_005.5)
-    failure.write_mark(str(marks), 1, "Traceback...\nRuntimeError: rank 1 broke first",
-                       1_000_000_001.25)
+    write_mark(str(marks), 0, "RuntimeError: peer gone", 1_000_000_005.5)
+    write_mark(str(marks), 1, "Traceback...\nRuntimeError: rank 1 broke first",
+               1_000_000_001.25)
     run = jobwatch.Run("26", "FAILED", "1:0", "", "", "node[1-2]")
     text = jobwatch.failure_summary(run, [log], marks)
     first = text.splitlines()[1]
@@ -74,7 +74,7 @@ def test_failure_summary_names_a_killed_rank_before_the_peers_that_lost_it(
         tmp_path: Path) -> None:
     """Rank 3 was SIGKILLed (no mark); ranks 0 and 2 only lost it, and srun listed them
     first (it learns of the exits in any order on a loaded host)."""
-    from hpc.watchdog import failure
+    from hpc.watchdog.marks import write_mark
 
     log = tmp_path / "0.err"
     log.write_text("srun: error: node2: task 2: Exited with exit code 1\n"
@@ -84,8 +84,8 @@ def test_failure_summary_names_a_killed_rank_before_the_peers_that_lost_it(
     marks = tmp_path / "failures-0"
     marks.mkdir()
     lost = "RuntimeError: Connection closed by peer [10.200.0.12]:57567"
-    failure.write_mark(str(marks), 0, lost, 1_000_000_003.0)
-    failure.write_mark(str(marks), 2, lost, 1_000_000_003.1)
+    write_mark(str(marks), 0, lost, 1_000_000_003.0)
+    write_mark(str(marks), 2, lost, 1_000_000_003.1)
     run = jobwatch.Run("26", "FAILED", "0:9", "", "", "node[1-2]")
     text = jobwatch.failure_summary(run, [log], marks).splitlines()
     assert text[1].startswith("first failure: rank 3 on node2: Killed (no mark of its own;"), text
@@ -99,11 +99,11 @@ def test_failure_summary_names_a_killed_rank_before_the_peers_that_lost_it(
 
 def test_first_failure_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hpc.cli import failures
-    from hpc.watchdog import failure
+    from hpc.watchdog.marks import GENERIC_MESSAGE, write_mark
 
     assert failures.main([str(tmp_path)]) == 1
     assert "no failure marks in" in capsys.readouterr().err
-    failure.write_mark(str(tmp_path), 3, failure.GENERIC_MESSAGE, 50.0)
+    write_mark(str(tmp_path), 3, GENERIC_MESSAGE, 50.0)
     log = tmp_path / "job.out"
     log.write_text("srun: error: node2: task 3: Exited with exit code 2\n")
     assert failures.main([str(tmp_path)]) == 1  # a bare exit mark alone is no failure

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hpc.supervise import plan
 from hpc.supervise.verdict import APPLICATION, INFRASTRUCTURE, Evidence, Mark, classify
-from hpc.watchdog.failure import srun_exits
+from hpc.watchdog.launchlog import srun_exits
 
 HOSTS = ("node1", "node1", "node2", "node2", "node3", "node3")
 

@@ -1,98 +1,23 @@
-"""Failure marks of a rank killed by a signal, and the failing-process flag."""
+"""The one "which rank failed first" rule over the failure marks and srun's lines."""
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
 from hpc.watchdog import failure
-from hpc.watchdog.failure import read_mark
-from tests.helpers.paths import ROOT
-
-_ABORT = """
-import os, sys
-from hpc.watchdog import failure
-failure.install(3, {"HPC_ERROR_DIR": sys.argv[1]})
-os.abort()   # what the NCCL watchdog does on a collective timeout
-"""
-
-
-def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
-                          text=True, timeout=60, check=False, env=env, cwd=ROOT)
-
-
-def test_sigabrt_leaves_a_mark(tmp_path: Path) -> None:
-    """No Python runs after abort(): faulthandler's C handler writes the mark."""
-    proc = _python(_ABORT, str(tmp_path))
-    assert proc.returncode == -6, proc
-    mark = read_mark(str(tmp_path), 3)
-    assert mark is not None, list(tmp_path.iterdir())
-    when, message = mark
-    assert message.startswith("Fatal Python error: Aborted"), message
-    assert str(tmp_path / "3.fault") in message
-    assert abs(when - (tmp_path / "3.fault").stat().st_mtime) < 1e-6
-
-
-_INSTALLED = ("from hpc.watchdog import failure\nimport sys\nfailure.watch()\n"
-              "failure.install(0, {'HPC_ERROR_DIR': sys.argv[1]})\n")
-
-
-@pytest.mark.parametrize("end, status", [("", 0), ("sys.exit(0)\n", 0),
-                                         ("sys.exit(75)\n", 75)],  # the agreed requeue exit
-                         ids=["clean", "exit-0", "requeued"])
-def test_a_rank_that_did_not_fail_has_no_mark(tmp_path: Path, end: str, status: int) -> None:
-    proc = _python(_INSTALLED + end, str(tmp_path))
-    assert proc.returncode == status, proc
-    assert read_mark(str(tmp_path), 0) is None, (tmp_path / "0.json").read_text()
-    assert not (tmp_path / "0.json").exists()
-    assert (tmp_path / "0.fault").read_text() == ""  # faulthandler's file stays empty
-
-
-def test_a_process_that_noted_its_failure_marks_the_start_of_its_exit(tmp_path: Path) -> None:
-    proc = _python(_INSTALLED + "failure.note_failure('pretrain diverged')\nsys.exit(1)\n",
-                   str(tmp_path))
-    assert proc.returncode == 1, proc
-    mark = read_mark(str(tmp_path), 0)
-    assert mark is not None and mark[1] == failure.GENERIC_MESSAGE
-    proc = _python(_INSTALLED + "raise ValueError('bad batch')\n", str(tmp_path / "raised"))
-    assert proc.returncode == 1, proc
-    mark = read_mark(str(tmp_path / "raised"), 0)  # the exception's, not the generic one
-    assert mark is not None and mark[1] == "ValueError: bad batch", mark
-
-
-def test_a_bare_sys_exit_with_a_failing_status_marks_its_rank(tmp_path: Path) -> None:
-    """The dying rank of tests/integration/test_slurm.py::test_dying_rank_ends_job."""
-    proc = _python(_INSTALLED + "sys.exit(3)\n", str(tmp_path))
-    assert proc.returncode == 3, proc
-    mark = read_mark(str(tmp_path), 0)
-    assert mark is not None and mark[1] == failure.GENERIC_MESSAGE, mark
-    proc = _python(_INSTALLED + "sys.exit('no data')\n", str(tmp_path / "text"))
-    assert proc.returncode == 1 and read_mark(str(tmp_path / "text"), 0) is not None
-
-
-def test_failed_notes_uncaught_exceptions_and_entry_points() -> None:
-    code = ("from hpc.watchdog import failure\nimport atexit\nfailure.watch()\n"
-            "atexit.register(lambda: print('FAILED', failure.failed()))\n")
-    assert "FAILED False" in _python(code).stdout
-    assert "FAILED True" in _python(code + "raise SystemError('x')\n").stdout
-    assert "FAILED True" in _python(code + "failure.note_failure()\n").stdout
+from hpc.watchdog.marks import GENERIC_MESSAGE, write_mark
 
 
 def _mark(directory: Path, rank: int, when: float, message: str) -> None:
-    failure.write_mark(str(directory), rank, message, when)
+    write_mark(str(directory), rank, message, when)
 
 
 def test_first_failure_is_the_earliest_start_not_the_first_exit(tmp_path: Path) -> None:
     _mark(tmp_path, 0, 105.0, "RuntimeError: Connection closed by peer")
     _mark(tmp_path, 1, 100.0, "RuntimeError: rank 1 broke first")
-    _mark(tmp_path, 2, 101.0, failure.GENERIC_MESSAGE)  # exited, maybe with 0
+    _mark(tmp_path, 2, 101.0, GENERIC_MESSAGE)  # exited, maybe with 0
     # rank 0 was seen to fail first (exit at 106), rank 1 is still exiting
     first = failure.first_failure(str(tmp_path), {0: 106.0}, [1, 2, 3])
     assert first is not None
@@ -102,7 +27,7 @@ def test_first_failure_is_the_earliest_start_not_the_first_exit(tmp_path: Path) 
 
 
 def test_first_failure_counts_a_generic_mark_only_for_ranks_seen_to_fail(tmp_path: Path) -> None:
-    _mark(tmp_path, 2, 99.0, failure.GENERIC_MESSAGE)
+    _mark(tmp_path, 2, 99.0, GENERIC_MESSAGE)
     _mark(tmp_path, 3, 100.0, "ValueError: bad batch")
     assert failure.first_failure(str(tmp_path), {}).rank == 3  # type: ignore[union-attr]
     first = failure.first_failure(str(tmp_path), {2: None, 3: None})
@@ -144,3 +69,16 @@ def test_a_killed_rank_does_not_come_before_a_rank_that_failed_in_its_own_code(
                           "pid 41) never entered it.")
     first = failure.first_failure(str(stuck), dict.fromkeys([2, 3]), signalled=[3])
     assert first is not None and first.rank == 2
+
+
+def test_describe_failure_takes_srun_and_slurmstepd_lines_without_marks(tmp_path: Path) -> None:
+    log = tmp_path / "job.out"
+    log.write_text("srun: error: node2: tasks 4-5: Killed\n"
+                   "slurmstepd: error: *** STEP 12.0 ON node1 CANCELLED AT 2024-05-01T10:00:00 "
+                   "DUE TO TIME LIMIT ***\n"
+                   "srun: error: node1: task 0: Exited with exit code 1\n")
+    assert failure.describe_failure([log, tmp_path / "missing.out"]) == [
+        "first failure: ranks 4-5 on node2: Killed",
+        "  then: rank 0 on node1: Exited with exit code 1",
+        "  then: slurm: cancelled DUE TO TIME LIMIT"]
+    assert failure.describe_failure([tmp_path / "missing.out"], tmp_path) == []

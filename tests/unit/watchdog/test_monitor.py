@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hpc.environments import DistInfo
-from hpc.watchdog import failure, report
+from hpc.watchdog import failure, marks, report
 from hpc.watchdog import monitor as watchdog
 
 
@@ -97,9 +97,9 @@ def test_flight_recorder_env_keeps_what_the_user_set() -> None:
 
 
 def test_write_mark_keeps_an_earlier_mark(tmp_path: Any) -> None:
-    failure.write_mark(str(tmp_path), 1, "stuck since step 3", when=50.0)
-    failure.write_mark(str(tmp_path), 1, "exited with a non-zero code")
-    assert failure.read_mark(str(tmp_path), 1) == (50.0, "stuck since step 3")
+    marks.write_mark(str(tmp_path), 1, "stuck since step 3", when=50.0)
+    marks.write_mark(str(tmp_path), 1, "exited with a non-zero code")
+    assert marks.read_mark(str(tmp_path), 1) == (50.0, "stuck since step 3")
 
 
 def test_reporter_marks_the_culprit_with_its_own_host_and_pid(tmp_path: Any) -> None:
@@ -109,7 +109,7 @@ def test_reporter_marks_the_culprit_with_its_own_host_and_pid(tmp_path: Any) -> 
     entries = {3: {"host": "node2", "pid": 4242, "since": 50.0}}
     dog = types.SimpleNamespace(error_dir=str(tmp_path))
     watchdog.Watchdog._mark(dog, [3], entries, "all_reduce #48 failed\nstacks")
-    assert failure.read_mark(str(tmp_path), 3) == (50.0, "all_reduce #48 failed")
+    assert marks.read_mark(str(tmp_path), 3) == (50.0, "all_reduce #48 failed")
     first = failure.first_failure(str(tmp_path), {})
     assert first is not None and (first.rank, first.host, first.pid) == (3, "node2", 4242)
 
