@@ -14,8 +14,8 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
 2. The training loop polls the guard once per step and agrees across ranks (one tiny
    all_reduce), so every rank stops after the same step; the global master writes a
    checkpoint (:func:`hpc.pretrain.pretrain` does both).
-3. :func:`requeue_after_stop` (collective): the global master checks the requeue budget,
-   runs an optional hook (submitit: write the resubmission), runs
+3. :func:`requeue_after_stop` (collective): the global master checks the
+   requeue budget, runs an optional hook (submitit: write the resubmission), runs
    ``scontrol requeue`` on this job (``<array job>_<task>`` for an array task, not the
    whole array) and tells every rank the outcome, so no rank exits before the job is
    requeued (with ``srun --kill-on-bad-exit`` an early non-zero exit would end the step
@@ -27,8 +27,9 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
    newest checkpoint of its run directory, so every step runs exactly once. Before it
    does, while the requeued job is pending (the only state in which Slurm changes it),
    the master adds the hosts of the bad-node ledger (:mod:`hpc.ledger`: two live
-   strikes) to the job's ``ExcNodeList`` (:func:`exclude_bad_nodes`); not where the
-   batch shell requeues (``HPC_REQUEUE_MARKER``).
+   strikes) to the job's ``ExcNodeList``
+   (:func:`hpc.preempt.exclude.exclude_bad_nodes`); not where the batch shell requeues
+   (``HPC_REQUEUE_MARKER``).
 
 The ``HPC_*`` settings of this flow (``HPC_PREEMPT_SIGNAL``, ``HPC_PREEMPT_SIGNALS``,
 ``HPC_MAX_REQUEUES``, ``HPC_STOP_FILE``, ``HPC_REQUEUE_MARKER``, ``HPC_STEP_HOOK``) are in
@@ -62,9 +63,10 @@ from typing import Callable, Optional
 from hpc import envvars
 from hpc.errors import EXIT_REQUEUED, PreemptError
 
-__all__ = ["Budget", "Outcome", "read_budget", "requeue_target", "requeue_after_stop",
-           "stopped_by_request", "close_before_failing_exit", "exclude_bad_nodes",
-           "DEFAULT_MAX_REQUEUES", "EXIT_REQUEUED"]
+__all__ = ["Budget", "Outcome", "Requeued", "read_budget", "requeue_target", "requeue_job",
+           "requeue_after_stop", "stopped_by_request", "close_before_failing_exit",
+           "DEFAULT_MAX_REQUEUES",
+           "EXIT_REQUEUED"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,101 +169,41 @@ def _scontrol_requeue(job_id: str, env: Mapping[str, str]) -> tuple[Optional[str
     return None, "scontrol"
 
 
-def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = (),
-                      nodes: Optional[int] = None) -> Optional[str]:
-    """Add ``hosts`` and the bad-node ledger's hosts (:meth:`hpc.ledger.Ledger.excluded`)
-    to the ``ExcNodeList`` of ``job_id``, a requeued job that is pending again (``scontrol
-    update``; Slurm refuses it for a running job). The job's own exclusions stay. No
-    more hosts are excluded than leave the job's partition ``nodes`` nodes (default
-    ``SLURM_JOB_NUM_NODES``; ``scontrol`` shows 1 for a job still completing its requeue).
+@dataclasses.dataclass(frozen=True)
+class Requeued:
+    """What :func:`requeue_job` did.
 
-    Returns:
-        What was done (``excluding node3 (bad-node ledger: ...)``), or None: nothing to
-        exclude, or scontrol refused (a warning says why; the requeue stands).
+    Attributes:
+        error: Why the job was not requeued (scontrol's words), or None: it was.
+        how: ``scontrol`` (this process requeued it) or ``marker`` (handed to the batch
+            shell through ``HPC_REQUEUE_MARKER``: scontrol is missing here).
+        excluding: What :func:`hpc.preempt.exclude.exclude_bad_nodes` excluded from the
+            requeued job, or None.
     """
-    from hpc.ledger import STRIKES, Ledger
 
-    try:
-        ledger = list(Ledger().excluded())
-    except Exception as e:  # noqa: BLE001 - a broken ledger must not fail the requeue
-        logger.warning("bad-node ledger unreadable, requeued job %s excludes no host: %s",
-                       job_id, e)
-        ledger = []
-    bad = list(dict.fromkeys([*hosts, *ledger]))
-    if not bad:
-        return None
-    left_in = ""
-    try:
-        shown = _shielded(["scontrol", "show", "job", "-o", job_id], 60).stdout
-        fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
-        current = fields.get("ExcNodeList", "(null)")
-        before = [] if current in ("", "(null)") else current.split(",")
-        need = nodes or int(os.environ.get("SLURM_JOB_NUM_NODES") or 0)
-        partition = fields.get("Partition", "")
-        bad, kept = _placeable(bad, before, partition, need)
-        left_in = (f"not excluding {', '.join(kept)}: partition {partition or '?'} would "
-                   f"keep too few nodes for this {need}-node job (it would pend for ever)"
-                   if kept else "")
-        if not bad:
-            return left_in or None
-        merged = ",".join(before + [h for h in bad if h not in before])
-        proc = _shielded(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"],
-                         60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        proc = subprocess.CompletedProcess([], 1, "", f"{type(e).__name__}: {e}")
-    if proc.returncode != 0:
-        logger.warning("could not exclude %s from requeued job %s: `scontrol update "
-                       "ExcNodeList` said %s", ", ".join(bad), job_id,
-                       (proc.stderr or proc.stdout).strip() or proc.returncode)
-        return None
-    failed = [h for h in hosts if h in bad]
-    why = [f"{', '.join(failed)} failed in this job"] if failed else []
-    if [h for h in ledger if h in bad]:
-        why.append(f"{', '.join(h for h in ledger if h in bad)}: bad-node ledger, {STRIKES} "
-                   "live strikes; hpc nodes --clear HOST allows one again")
-    return "; ".join(filter(None, [f"excluding {', '.join(bad)} ({'; '.join(why)})",
-                                   left_in]))
+    error: Optional[str]
+    how: str
+    excluding: Optional[str] = None
 
 
-def _shielded(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """``argv``'s output, run with SIGTERM blocked (the mask is inherited through exec).
+def requeue_job(job_id: str, environ: Optional[Mapping[str, str]] = None, *,
+                hosts: Sequence[str] = (), nodes: Optional[int] = None) -> Requeued:
+    """Requeue ``job_id`` and exclude bad hosts from its next run: the one requeue core.
 
-    These calls run right after ``scontrol requeue``, while Slurm sends the job's batch
-    step SIGTERM: a ``sinfo`` started then died of it, said nothing, and the requeued job
-    excluded every failed host, too many to ever run again."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    ``scontrol requeue`` (or, where scontrol is missing and ``HPC_REQUEUE_MARKER`` is
+    set, the batch shell's requeue through that file), then, after a requeue by scontrol,
+    ``hosts`` and the bad-node ledger's hosts added to the pending job's ``ExcNodeList``
+    (:func:`~hpc.preempt.exclude.exclude_bad_nodes`, at most as many as leave ``nodes``
+    nodes). The budget is the caller's to check (:func:`read_budget`): the ranks'
+    :func:`requeue_after_stop` and the batch host's ``hpc supervise`` both call this.
+    """
+    from hpc.preempt.exclude import exclude_bad_nodes
 
-
-def _partition_nodes(partition: str) -> list[str]:
-    """The nodes of ``partition`` (``sinfo -N``), empty when sinfo cannot say."""
-    try:
-        out = _shielded(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"], 30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return list(dict.fromkeys(out.split()))
-
-
-def _placeable(bad: Sequence[str], before: Sequence[str], partition: str, need: int
-               ) -> tuple[list[str], list[str]]:
-    """(hosts to exclude, hosts left in): as many of ``bad``, in order, as leave
-    ``partition`` ``need`` nodes; a requeued job that excludes too many would pend for
-    ever (``BadConstraints``)."""
-    nodes = _partition_nodes(partition.split(",")[0])
-    if not nodes or need < 1:
-        return list(bad), []
-    left = [n for n in nodes if n not in before]
-    out, kept = [], []
-    for h in bad:
-        if h in left and len(left) - 1 < need:
-            kept.append(h)
-            continue
-        out.append(h)
-        left = [n for n in left if n != h]
-    return out, kept
+    env = os.environ if environ is None else environ
+    error, how = _scontrol_requeue(job_id, env)
+    if error is not None or how != "scontrol":
+        return Requeued(error, how)
+    return Requeued(None, how, exclude_bad_nodes(job_id, hosts, nodes=nodes))
 
 
 def _decide(step: int, checkpoint: Optional[str], signame: str,
@@ -291,7 +233,8 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
         return Outcome("failed", 1, f"preparing the requeue of job {job} failed: "
                        f"{type(e).__name__}: {e}.\nHINT: resubmit the same command; it "
                        "resumes from the run directory.")
-    error, how = _scontrol_requeue(job, env)
+    done = requeue_job(job, env)
+    error, how = done.error, done.how
     if error is not None:
         return Outcome("failed", 1, (
             f"stopped at step {step} on {signame}; {where}. `scontrol requeue {job}` "
@@ -301,7 +244,7 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
             "resubmit the same command, which resumes from the run directory."))
     by = "" if how == "scontrol" else (" (scontrol is missing here: the batch shell "
                                        f"requeues it, {env['HPC_REQUEUE_MARKER']})")
-    excluding = exclude_bad_nodes(job) if how == "scontrol" else None
+    excluding = done.excluding
     return Outcome("requeued", EXIT_REQUEUED, (
         f"requeued job {job}{by} after step {step} ({signame}; {where}); restart "
         f"{budget.restarts + 1} of at most {budget.max_requeues} resumes from it"

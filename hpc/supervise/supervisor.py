@@ -330,7 +330,7 @@ def _strike(verdict: Verdict, env: Mapping[str, str]) -> None:
 
 def _requeue(state: plans.State, env: Mapping[str, str]) -> int:
     """Requeue the job without the excluded hosts; 75 when it is requeued, else 1."""
-    from hpc.preempt.requeue import _scontrol_requeue, exclude_bad_nodes, read_budget
+    from hpc.preempt.requeue import read_budget, requeue_job
 
     job = env.get("SLURM_JOB_ID", "")
     budget = read_budget(env)
@@ -338,10 +338,9 @@ def _requeue(state: plans.State, env: Mapping[str, str]) -> int:
         say(f"not requeueing: SLURM_RESTART_COUNT={budget.restarts} reached "
             f"HPC_MAX_REQUEUES={budget.max_requeues}")
         return 1
-    error, _ = _scontrol_requeue(job, env)
-    if error is not None:
-        say(f"`scontrol requeue {job}` failed: {error}")
+    done = requeue_job(job, env, hosts=state.excluded, nodes=len(state.allocation))
+    if done.error is not None:
+        say(f"`scontrol requeue {job}` failed: {done.error}")
         return 1
-    said = exclude_bad_nodes(job, state.excluded, nodes=len(state.allocation))
-    say(f"requeued job {job}" + (f"; {said}" if said else ""))
+    say(f"requeued job {job}" + (f"; {done.excluding}" if done.excluding else ""))
     return 75
