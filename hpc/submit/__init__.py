@@ -4,7 +4,8 @@
   sbatch options;
 * :mod:`hpc.submit.executor` — :func:`submit` and the submitit executor;
 * :mod:`hpc.submit.cli` — the ``hpc submit`` command line;
-* :mod:`hpc.submit.payload` — what runs on every task of the job;
+* :mod:`hpc.submit.payload` — what runs on every task of the job: a module or a function;
+* :mod:`hpc.submit.pretrain_job` — :class:`PretrainJob`, ``hpc pretrain`` as such a job;
 * :mod:`hpc.submit.handle` — :class:`SubmittedJob`: logs, watching, the result;
 * :mod:`hpc.submit.watch` — ``sacct`` state, requeue history, the first failing rank.
 

@@ -116,7 +116,7 @@ def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
     if kind == "pretrain":
         from hpc.pretrain.cli import _build as build_pretrain  # the one pretrain parser
         from hpc.pretrain.cli import config_from_args
-        from hpc.submit.payload import PretrainJob
+        from hpc.submit.pretrain_job import PretrainJob
 
         parser = argparse.ArgumentParser(prog="hpc submit ... -- pretrain")
         build_pretrain(parser)

@@ -179,11 +179,12 @@ def _callable(target: Any, args: Sequence[str]) -> tuple[Any, str | None]:
     """(the submitted callable, the pretrain run dir or None)."""
     from hpc.pretrain.config import PretrainConfig
     from hpc.submit import payload as jobs
+    from hpc.submit.pretrain_job import PretrainJob
 
     if isinstance(target, PretrainConfig):
-        job = jobs.PretrainJob(target)
+        job = PretrainJob(target)
         return job, job.config.out
-    if isinstance(target, jobs.PretrainJob):
+    if isinstance(target, PretrainJob):
         return target, target.config.out
     if isinstance(target, str):
         if ":" in target:
@@ -256,16 +257,16 @@ def for_task(target: Any, args: Sequence[str], task: int) -> tuple[Any, list[str
     """``target`` and ``args`` of array task ``task``: ``{task}`` replaced by its index
     in the run directory of a pretrain target and in every argument."""
     from hpc.pretrain.config import PretrainConfig
-    from hpc.submit import payload as jobs
+    from hpc.submit.pretrain_job import PretrainJob
 
     def sub(text: Any) -> Any:
         return text.replace("{task}", str(task)) if isinstance(text, str) else text
 
     if isinstance(target, PretrainConfig):
         target = dataclasses.replace(target, out=sub(target.out))
-    elif isinstance(target, jobs.PretrainJob):
-        target = jobs.PretrainJob(dataclasses.replace(target.config, out=sub(target.config.out)),
-                                  target.log_level)
+    elif isinstance(target, PretrainJob):
+        target = PretrainJob(dataclasses.replace(target.config, out=sub(target.config.out)),
+                             target.log_level)
     return target, [sub(a) for a in args]
 
 

@@ -39,7 +39,7 @@ def test_array_task_gets_its_own_run_directory_and_arguments() -> None:
     pytest.importorskip("submitit")
     from hpc.pretrain.config import PretrainConfig
     from hpc.submit.executor import for_task
-    from hpc.submit.payload import PretrainJob
+    from hpc.submit.pretrain_job import PretrainJob
 
     cfg, args = for_task(PretrainConfig(out="runs/sweep/{task}"), ["x"], 3)
     assert cfg.out == "runs/sweep/3" and args == ["x"]
