@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import Any
 
-from hpc.cli.main import subcommand
+from hpc._command import subcommand
 
 __all__ = ["add_parser", "main"]
 

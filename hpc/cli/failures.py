@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpc.cli.main import subcommand
+from hpc._command import subcommand
 
 __all__ = ["add_parser", "main"]
 

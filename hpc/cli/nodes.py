@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from hpc.cli.main import subcommand
+from hpc._command import subcommand
 
 __all__ = ["add_parser", "format_ledger", "main"]
 

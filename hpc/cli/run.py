@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from hpc.cli.main import subcommand
+from hpc._command import subcommand
 
 __all__ = ["add_parser", "main"]
 

@@ -8,8 +8,15 @@ knows nothing of submitit (:mod:`hpc.submit` builds on it, never the reverse):
   code), both polled once per step;
 * :mod:`hpc.preempt.stop` — :class:`AgreedStop`: the stop every rank agrees on at the
   same step, then "requeue (or not) and exit";
+* :mod:`hpc.preempt.ending` — the one ending of every stopped run,
+  :func:`finish_after_stop`: wait for the save in flight, requeue, the exit code;
+* :mod:`hpc.preempt.stage` — a stage's life (:func:`~hpc.preempt.stage.run_stage`):
+  ``hpc pretrain``, ``hpc search`` and ``hpc tune`` from guard to exit code;
 * :mod:`hpc.preempt.requeue` — the requeue decision: the budget, ``scontrol requeue``
-  or the batch shell's marker, the exit codes (and the table of variables read);
+  or the batch shell's marker (:func:`~hpc.preempt.requeue.requeue_job`, the core the
+  batch host's ``hpc supervise`` uses too), the exit codes (and the table of variables
+  read); :mod:`hpc.preempt.exclude` — the bad hosts added to a requeued job's
+  ``ExcNodeList``;
 * :mod:`hpc.preempt.shield` — ``python -m hpc.preempt.shield CMD``: a launcher run
   with SIGTERM blocked, for the batch templates.
 
@@ -20,9 +27,9 @@ from __future__ import annotations
 
 from hpc._lazy import lazy_attributes
 
-__all__ = ["AgreedStop", "PreemptGuard", "StopFlag", "requeue_after_stop"]
+__all__ = ["AgreedStop", "PreemptGuard", "StopFlag", "finish_after_stop"]
 
 _LAZY = {"AgreedStop": "hpc.preempt.stop", "PreemptGuard": "hpc.preempt.guard",
-         "StopFlag": "hpc.preempt.guard", "requeue_after_stop": "hpc.preempt.requeue"}
+         "StopFlag": "hpc.preempt.guard", "finish_after_stop": "hpc.preempt.ending"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -14,7 +14,8 @@ default the warning signal and TERM) and hpc requeues the job itself. The flow:
 2. The training loop polls the guard once per step and agrees across ranks (one tiny
    all_reduce), so every rank stops after the same step; the global master writes a
    checkpoint (:func:`hpc.pretrain.pretrain` does both).
-3. :func:`requeue_after_stop` (collective): the global master checks the
+3. :func:`requeue_after_stop` (collective; :func:`hpc.preempt.ending.finish_after_stop`
+   calls it once a save still in flight is on disk): the global master checks the
    requeue budget, runs an optional hook (submitit: write the resubmission), runs
    ``scontrol requeue`` on this job (``<array job>_<task>`` for an array task, not the
    whole array) and tells every rank the outcome, so no rank exits before the job is
@@ -54,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -64,8 +64,7 @@ from hpc import envvars
 from hpc.errors import EXIT_REQUEUED, PreemptError
 
 __all__ = ["Budget", "Outcome", "Requeued", "read_budget", "requeue_target", "requeue_job",
-           "requeue_after_stop", "stopped_by_request", "close_before_failing_exit",
-           "DEFAULT_MAX_REQUEUES",
+           "requeue_after_stop", "stopped_by_request", "DEFAULT_MAX_REQUEUES",
            "EXIT_REQUEUED"]
 
 logger = logging.getLogger(__name__)
@@ -251,28 +250,15 @@ def _decide(step: int, checkpoint: Optional[str], signame: str,
         + (f"; {excluding}" if excluding else "")))
 
 
-def close_before_failing_exit() -> None:
-    """Before every rank's agreed non-zero exit: close the group and ignore SIGTERM.
-
-    Left open, the failure teardown aborts the group, gloo SIGABRTs the rank, srun kills
-    its peers and the job ends FAILED 15:0, not 1. Once the first rank exits, srun
-    (--kill-on-bad-exit) TERMs the others; Python restores SIG_DFL for its own handlers
-    at shutdown, so a peer still exiting would die 'Terminated' (15:0). Ignored, the
-    TERM cannot; srun's SIGKILL still follows for a rank that does not end.
-    """
-    from hpc.bootstrap.distributed import teardown
-
-    teardown()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def requeue_after_stop(step: int, checkpoint: Optional[str] = None, *,
                        signame: str = "the warning signal", rank: int = 0,
                        before_requeue: Optional[Callable[[], None]] = None,
                        environ: Optional[Mapping[str, str]] = None) -> Outcome:
     """After an agreed stop: requeue the Slurm job from the global master (collective).
 
-    Call it on every rank, after the checkpoint of ``step`` was written. Rank 0 checks
+    Call it on every rank once the checkpoint of ``step`` is on disk: the one ending,
+    :func:`hpc.preempt.ending.finish_after_stop`, waits for a save in flight first and
+    is what a loop calls. Rank 0 checks
     the budget, calls ``before_requeue`` and runs ``scontrol requeue``; the outcome is
     then broadcast, so no rank exits before the job is requeued. The master logs it
     once it happened: one INFO line after a requeue, an ERROR when none was possible.

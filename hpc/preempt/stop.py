@@ -15,9 +15,11 @@ step: one ``all_reduce(MAX)`` of a one-element tensor, on the steps where
             hpc.save_checkpoint("ckpt", step, model=model, ...)
             stop.requeue_and_exit(step, "ckpt")   # exits 75 when requeued
 
-The exit codes are those of ``hpc pretrain`` (:func:`~hpc.preempt.requeue.requeue_after_stop`):
-75 after a requeue, 0 outside Slurm (rerun to resume), 1 when the job could not be
-requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (see
+``requeue_and_exit`` is the one ending of every stopped run
+(:func:`~hpc.preempt.ending.finish_after_stop`): it waits for the save in flight (a
+``save_checkpoint(..., blocking=False)`` of the stop step is on disk before Slurm may end
+the job), then requeues. The exit codes are those of ``hpc pretrain``: 75 after a
+requeue, 0 outside Slurm (rerun to resume), 1 when the job could not be requeued. Cost per call at 2 ranks over gloo: ``python bench/agreed_stop.py`` (see
 ``docs/preemptible.md``); ``every=k`` divides it by ``k`` and delays the stop by at most
 ``k - 1`` steps.
 """
@@ -27,8 +29,8 @@ from __future__ import annotations
 import sys
 from typing import Any, NoReturn, Optional
 
+from hpc.preempt.ending import close_before_failing_exit, finish_after_stop
 from hpc.preempt.guard import PreemptGuard
-from hpc.preempt.requeue import close_before_failing_exit, requeue_after_stop
 
 __all__ = ["AgreedStop"]
 
@@ -127,7 +129,7 @@ class AgreedStop:
 
     def exit_code(self, step: int, checkpoint: Optional[str] = None, *,
                   stopped: Optional[bool] = None) -> int:
-        """The exit status after the loop: requeue first when it stopped (collective).
+        """The exit status after the loop: the one ending when it stopped (collective).
 
         Args:
             step: The last step done.
@@ -137,23 +139,25 @@ class AgreedStop:
 
         Returns:
             0 when the loop was not stopped, else the outcome of
-            :func:`~hpc.preempt.requeue.requeue_after_stop` (75 requeued, 0 not a
-            Slurm job, 1 not requeued), the same on every rank.
+            :func:`~hpc.preempt.ending.finish_after_stop` (the save in flight waited
+            for, then 75 requeued, 0 not a Slurm job, 1 not requeued), the same on every
+            rank. The process group stays open: :meth:`requeue_and_exit` closes it
+            before a non-zero exit.
+
+        Raises:
+            CheckpointError: on every rank, when the save in flight failed.
         """
         if not (self.stopped if stopped is None else stopped):
             return 0
-        from hpc.sync.agree import world
-
-        rank, _ = world()
-        return requeue_after_stop(step, None if checkpoint is None else str(checkpoint),
-                                  rank=rank, signame=self.signal_name).exit_code
+        return finish_after_stop(step, checkpoint, signame=self.signal_name,
+                                 close=False).exit_code
 
     def requeue_and_exit(self, step: int, checkpoint: Optional[str] = None) -> NoReturn:
         """:meth:`exit_code`, then ``sys.exit`` with it (collective).
 
-        Before a non-zero exit, :func:`~hpc.preempt.requeue.close_before_failing_exit`
-        (the group closed, SIGTERM ignored: srun's TERM to a peer still shutting down
-        would turn the agreed exit into a failed job).
+        Before a non-zero exit, the process group is closed and SIGTERM ignored
+        (:func:`~hpc.preempt.ending.close_before_failing_exit`: srun's TERM to a peer
+        still shutting down would turn the agreed exit into a failed job).
         """
         code = self.exit_code(step, checkpoint)
         sys.stdout.flush()

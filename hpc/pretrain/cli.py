@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpc.cli import stage
-from hpc.cli.main import subcommand
-from hpc.cli.stage import add_fields, add_stage_parser
+from hpc._command import add_fields, add_stage_parser, subcommand
+from hpc._command import config_from_args as config_of  # this module's own takes args only
+from hpc.preempt.stage import run_stage
 from hpc.pretrain.config import SAMPLINGS, PretrainConfig
 
-__all__ = ["add_parser", "config_from_args", "main"]
+__all__ = ["add_flags", "add_parser", "config_from_args", "main"]
 
 
 EPILOG = """examples:
@@ -57,7 +57,8 @@ FIELD_HELP = {
 }
 
 
-def _build(p: argparse.ArgumentParser) -> None:
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``hpc pretrain`` on ``p`` (also the parser of ``hpc submit -- pretrain``)."""
     d = PretrainConfig()
     a = p.add_argument
     add_fields(p, PretrainConfig, FIELD_HELP)
@@ -107,7 +108,7 @@ def _build(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     """The :class:`PretrainConfig` an ``hpc pretrain`` command line describes."""
-    return stage.config_from_args(PretrainConfig, args)
+    return config_of(PretrainConfig, args)
 
 
 def _pretrain(cfg: PretrainConfig, stop_requested: Any) -> Any:
@@ -119,15 +120,16 @@ def _pretrain(cfg: PretrainConfig, stop_requested: Any) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hpc pretrain`` with parsed ``args``; return the exit status."""
-    return stage.run_stage("pretrain", PretrainConfig, args, _pretrain,
-                           lambda cfg: Path(cfg.out) / "pretrain.log" if cfg.out else None,
-                           lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint))
+    return run_stage("pretrain", lambda: config_from_args(args), _pretrain,
+                     lambda cfg: Path(cfg.out) / "pretrain.log" if cfg.out else None,
+                     lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint),
+                     log_level=args.log_level)
 
 
 def add_parser(sub: Any) -> None:
     """Register ``hpc pretrain`` (no torch import here: ``hpc --help`` stays fast)."""
     add_stage_parser(sub, "pretrain", "distributed supernet pretraining (digits by default)",
-                     __doc__, EPILOG, _build, _run)
+                     __doc__, EPILOG, add_flags, _run)
 
 
 main = subcommand(add_parser)

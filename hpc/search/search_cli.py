@@ -16,8 +16,8 @@ import logging
 import sys
 from typing import Any
 
-from hpc.cli.main import subcommand
-from hpc.cli.stage import add_fields, add_stage_parser, run_stage
+from hpc._command import add_fields, add_stage_parser, config_from_args, subcommand
+from hpc.preempt.stage import run_stage
 from hpc.search.config import SearchConfig
 
 __all__ = ["add_parser", "main"]
@@ -62,9 +62,10 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``hpc search`` with parsed ``args``; return the exit status."""
     from hpc.search.search import search
 
-    return run_stage("search", SearchConfig, args, search, lambda cfg: cfg.out_dir / "search.log",
+    return run_stage("search", lambda: config_from_args(SearchConfig, args), search,
+                     lambda cfg: cfg.out_dir / "search.log",
                      lambda result, cfg: (result.generations, cfg.max_generations,
-                                          result.out))
+                                          result.out), log_level=args.log_level)
 
 
 def add_parser(sub: Any) -> None:

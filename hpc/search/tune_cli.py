@@ -16,8 +16,8 @@ import logging
 import sys
 from typing import Any
 
-from hpc.cli.main import subcommand
-from hpc.cli.stage import add_fields, add_stage_parser, run_stage
+from hpc._command import add_fields, add_stage_parser, config_from_args, subcommand
+from hpc.preempt.stage import run_stage
 from hpc.search.config import TuneConfig
 
 __all__ = ["add_parser", "main"]
@@ -65,8 +65,10 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``hpc tune`` with parsed ``args``; return the exit status."""
     from hpc.search.tune import tune
 
-    return run_stage("tune", TuneConfig, args, tune, lambda cfg: cfg.out_dir / "tune.log",
-                     lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint))
+    return run_stage("tune", lambda: config_from_args(TuneConfig, args), tune,
+                     lambda cfg: cfg.out_dir / "tune.log",
+                     lambda result, cfg: (result.step, cfg.max_steps, result.checkpoint),
+                     log_level=args.log_level)
 
 
 def add_parser(sub: Any) -> None:

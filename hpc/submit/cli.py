@@ -16,7 +16,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from hpc.cli.main import subcommand
+from hpc._command import subcommand
 from hpc.errors import SubmitError
 from hpc.submit.options import SubmitOptions
 
@@ -114,12 +114,12 @@ def _options(args: argparse.Namespace, kind: str) -> SubmitOptions:
 
 def _target(kind: str, rest: list[str]) -> tuple[Any, list[str]]:
     if kind == "pretrain":
-        from hpc.pretrain.cli import _build as build_pretrain  # the one pretrain parser
+        from hpc.pretrain.cli import add_flags  # the one pretrain parser
         from hpc.pretrain.cli import config_from_args
         from hpc.submit.pretrain_job import PretrainJob
 
         parser = argparse.ArgumentParser(prog="hpc submit ... -- pretrain")
-        build_pretrain(parser)
+        add_flags(parser)
         pargs = parser.parse_args(rest)
         cfg = config_from_args(pargs)
         try:

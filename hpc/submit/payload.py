@@ -10,11 +10,11 @@ All callables are ``submitit.helpers.Checkpointable``: their ``checkpoint()`` re
 the resubmission that resumes (``None`` once the requeue budget ``HPC_MAX_REQUEUES`` is
 used up, which makes submitit give up instead of requeueing).
 
-- :class:`~hpc.submit.pretrain_job.PretrainJob` does the agreed stop itself: its guard
-  replaces submitit's signal handler; after the checkpoint of the agreed step the master
-  writes ``checkpoint()``'s resubmission over the job's submission pickle and runs
-  ``scontrol requeue``; every rank then exits with 75, leaving no result, and the
-  restarted job resumes from the run directory.
+- :class:`~hpc.submit.pretrain_job.PretrainJob` does the agreed stop itself (the stage
+  life of :mod:`hpc.preempt.stage`): its guard replaces submitit's signal handler; after
+  the checkpoint of the agreed step the master writes ``checkpoint()``'s resubmission
+  over the job's submission pickle and runs ``scontrol requeue``; every rank then exits
+  with 75, leaving no result, and the restarted job resumes from the run directory.
 - :class:`ModuleJob` and :class:`FunctionJob` keep submitit's own handler (bound to
   ``SUBMITIT_PREEMPT_SIGNAL``, which ``hpc submit`` sets to the chosen signal): on the
   signal the master resubmits the same call and requeues at once; the program must resume

@@ -1,10 +1,12 @@
 """``hpc pretrain`` as a submitit job: :class:`PretrainJob`, on every task of the job.
 
-It does the agreed stop itself (:mod:`hpc.preempt.requeue`): its guard replaces
-submitit's signal handler; after the checkpoint of the agreed step the master writes
-``checkpoint()``'s resubmission over the job's submission pickle and runs ``scontrol
-requeue``; every rank then exits with 75, leaving no result, and the restarted job
-resumes from the run directory.
+It lives the stage's one life (:func:`hpc.preempt.stage.live`, as the ``hpc pretrain``
+command does): the guard installed first (it replaces submitit's signal handler),
+``init_torch``, the run, and after an agreed stop the one ending
+(:func:`hpc.preempt.ending.finish_after_stop`: the save in flight waited for, then the
+requeue), with one submitit step before the requeue: the master writes
+``checkpoint()``'s resubmission over the job's submission pickle. Every rank then exits
+with 75, leaving no result, and the restarted job resumes from the run directory.
 
 This module imports submitit: only jobs and ``hpc submit`` import it.
 """
@@ -12,20 +14,12 @@ This module imports submitit: only jobs and ``hpc submit`` import it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from hpc.errors import SubmitError
-from hpc.preempt.guard import PreemptGuard
-from hpc.preempt.requeue import (
-    EXIT_REQUEUED,
-    close_before_failing_exit,
-    requeue_after_stop,
-    stopped_by_request,
-)
+from hpc.errors import EXIT_REQUEUED, SubmitError
 from hpc.pretrain.config import PretrainConfig
 from hpc.submit.payload import _Requeueable, _submitit_logs_once
 
@@ -63,28 +57,23 @@ class PretrainJob(_Requeueable):
         return PretrainJob(dataclasses.replace(self.config, resume="auto"), self.log_level)
 
     def __call__(self) -> Any:
-        _submitit_logs_once()
-        guard = PreemptGuard().install()  # before torch: replaces submitit's handler
-        import hpc
-        from hpc.pretrain.loop import pretrain
+        from hpc.preempt.stage import live
 
+        _submitit_logs_once()
         cfg = self.config
-        info = hpc.init_torch(seed=cfg.seed)
-        hpc.setup_logging(info, level=getattr(logging, self.log_level),
-                          log_file=Path(cfg.out) / "pretrain.log")
-        result = pretrain(cfg, stop_requested=guard)
-        if not stopped_by_request(result.status, result.step, cfg.max_steps):
-            return result
-        outcome = requeue_after_stop(
-            result.step, result.checkpoint, rank=info.rank, signame=guard.signal_name,
-            before_requeue=self._write_resubmission if info.rank == 0 else None)
-        if outcome.kind == "requeued":
+        ended = live("pretrain", lambda: cfg, _pretrain, lambda c: Path(c.out) / "pretrain.log",
+                     lambda result, c: (result.step, c.max_steps, result.checkpoint),
+                     log_level=self.log_level, before_requeue=self._write_resubmission)
+        if ended.code == EXIT_REQUEUED:
             sys.exit(EXIT_REQUEUED)  # SystemExit: submitit writes no result; the job reruns
-        if outcome.kind == "not-slurm":
-            return result
-        # Every rank agreed on this end (budget used up, requeue failed).
-        close_before_failing_exit()
-        raise SubmitError(outcome.message)
+        if ended.code == 0:
+            return ended.result  # completed, or stopped outside Slurm (rerun to resume)
+        if ended.error is not None:
+            raise ended.error
+        # Every rank agreed on this end (budget used up, requeue failed, a failed run).
+        raise SubmitError(ended.outcome.message if ended.outcome is not None else
+                          f"hpc pretrain ended with status {ended.result.status!r}.\n"
+                          "HINT: see this task's log for its error.")
 
     def _write_resubmission(self) -> None:
         """Replace the job's submission pickle by :meth:`checkpoint`'s (master only)."""
@@ -102,3 +91,9 @@ class PretrainJob(_Requeueable):
         new.set_timeout(getattr(old, "_timeout_min", 5), getattr(old, "_timeout_countdown", 0))
         with utils.temporary_save_path(paths.submitted_pickle) as tmp:
             new.dump(tmp)
+
+
+def _pretrain(cfg: PretrainConfig, stop_requested: Any) -> Any:
+    from hpc.pretrain.loop import pretrain
+
+    return pretrain(cfg, stop_requested=stop_requested)

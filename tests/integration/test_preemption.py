@@ -280,3 +280,38 @@ def test_a_users_batchnorm_script_preempted_by_slurm_resumes_bitwise_on_every_ra
     assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
     assert "resumed from" in text
     assert sorted(re.findall(EXACT, text)) == reference  # every rank, bitwise
+
+
+ASYNC_STOP = str(ROOT / "tests" / "integration" / "scripts" / "async_stop.py")
+#: A witness in front of Slurm's scontrol: it notes the newest complete checkpoint at
+#: each ``scontrol requeue``, then runs the real one.
+WITNESS_BIN = str(ROOT / "tests" / "helpers" / "bin")
+
+
+@pytest.mark.timeout(300)
+def test_a_users_requeue_after_an_asynchronous_stop_checkpoint_waits_for_it_on_slurm(
+        tmp_path: Path, cancel_after: list[str]) -> None:
+    """A user's own script under ``slurm/pretrain.sbatch`` (4 ranks, 2 nodes): SIGUSR2 to
+    rank 1 before step 10, the stop's checkpoint saved with ``blocking=False`` and
+    ``stop.requeue_and_exit`` at once. ``scontrol requeue`` (the real one, behind a
+    witness on PATH) runs only once that checkpoint is complete; the requeued run resumes
+    from it and completes, every rank at the same weights. Before the one ending waited,
+    the requeue ran while the writer was still starting, and Slurm's end of the job
+    (SIGTERM, SIGKILL after KillWait) raced it."""
+    out, witness = tmp_path / "run", tmp_path / "requeues.txt"
+    env = slurm_env(**ENV, STOP_AT="10", SCONTROL_WITNESS=str(witness),
+                    SCONTROL_CKPT_DIR=str(out))
+    env["PATH"] = os.pathsep.join([WITNESS_BIN, env["PATH"]])
+    job_id = sbatch_nowait(["-p", "debug", TEMPLATE, "python", ASYNC_STOP, "--out", str(out)],
+                           tmp_path, env, cancel_after)
+    last = jobwatch.wait(job_id, timeout=240)
+    text = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
+    assert last.word == "COMPLETED", text[-4000:]
+    assert witness.read_text().splitlines() == [f"requeue {job_id} newest=ckpt-00000010.pt"], (
+        witness.read_text(), text[-4000:])
+    assert [r.word for r in jobwatch.history(job_id)] == ["REQUEUED", "COMPLETED"]
+    assert "0: rank 0: stopped at step 10" in text and "rank 0: resumed at step 10" in text, \
+        text[-4000:]
+    done = re.findall(r"rank (\d): done step 24 digest (\w+)", text)
+    assert len(done) == 4 and len({d for _, d in done}) == 1, text[-4000:]
+    assert "CheckpointError" not in text and "first failure" not in text, text[-4000:]

@@ -37,6 +37,6 @@ def test_no_deterministic_frees_cudnn(cudnn_flags: None) -> None:
 
 def test_cli_flag() -> None:
     p = argparse.ArgumentParser()
-    cli._build(p)
+    cli.add_flags(p)
     assert cli.config_from_args(p.parse_args([])).deterministic is True
     assert cli.config_from_args(p.parse_args(["--no-deterministic"])).deterministic is False

@@ -36,7 +36,7 @@ def test_a_failing_stage_marks_the_failure_so_the_exit_aborts_the_group(
         module: str, tmp_path: Path) -> None:
     """After an error every stage exits 1 *and* marks the process as failing: the
     teardown then aborts the process group instead of destroying it (a destroy can hang
-    a rank whose peers are gone, see hpc.watchdog.failure)."""
+    a rank whose peers are gone, see hpc.watchdog.marks)."""
     (tmp_path / "run").mkdir()
     (tmp_path / "search").mkdir()
     (tmp_path / "search" / "search.json").write_text("{}")
