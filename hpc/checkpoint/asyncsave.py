@@ -55,12 +55,10 @@ class Writer:
         self.warned = False  # about a fallback: once
 
     def _start(self) -> None:
-        import hpc
-
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         env = dict(os.environ)
-        root = str(Path(hpc.__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])  # the directory holding hpc/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["OMP_NUM_THREADS"] = "1"
         self.proc = subprocess.Popen(

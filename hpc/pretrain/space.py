@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from hpc.pretrain.config import OPS, check_ops
 
-__all__ = ["SearchSpace", "Supernet", "derive_seed", "arch_generator", "CANDIDATES",
-           "VAL_STREAM"]
+__all__ = ["SearchSpace", "Supernet", "derive_seed", "arch_generator", "build_op",
+           "CANDIDATES", "VAL_STREAM"]
 
 #: Pseudo-rank used to derive the validation architectures (identical on every rank).
 VAL_STREAM = -1
@@ -73,7 +73,9 @@ def arch_generator(seed: int, rank: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, rank, step))
 
 
-def _build_op(name: str, channels: int) -> nn.Module:
+def build_op(name: str, channels: int) -> nn.Module:
+    """The candidate operation ``name`` of ``channels`` channels (a block of the supernet,
+    and of a sub-network exported from it)."""
     if name == "identity":
         return nn.Identity()
     if name == "sepconv3x3":
@@ -117,7 +119,7 @@ class Supernet(nn.Module):
             nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width), nn.ReLU(inplace=True))
         self.blocks = nn.ModuleList(
-            nn.ModuleList(_build_op(name, width) for name in self.candidates)
+            nn.ModuleList(build_op(name, width) for name in self.candidates)
             for _ in range(blocks))
         #: Parameters of each candidate of each block (the sandwich rule asks every step).
         self._op_sizes = [[sum(p.numel() for p in op.parameters()) for op in block]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from hpc.checkpoint.files import save_atomic
-from hpc.pretrain.space import CANDIDATES, Supernet, _build_op, check_ops
+from hpc.pretrain.space import CANDIDATES, Supernet, build_op, check_ops
 
 __all__ = ["SubNet", "count_params", "extract", "load_model", "save_model"]
 
@@ -56,7 +56,7 @@ class SubNet(nn.Module):
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width), nn.ReLU(inplace=True))
-        self.ops = nn.ModuleList(_build_op(ops[a], width) for a in arch)
+        self.ops = nn.ModuleList(build_op(ops[a], width) for a in arch)
         self.pool_after = len(arch) // 2
         self.pool = nn.AvgPool2d(2)
         self.head = nn.Linear(width, num_classes)
