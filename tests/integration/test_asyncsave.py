@@ -159,18 +159,20 @@ def test_a_full_disk_stops_every_rank_with_the_same_error(tmp_path: Path) -> Non
         assert not temp_files(small)
 
 
-STOP_SCRIPT = "tests/integration/scripts/async_stop.py"
 #: A witness in front of ``scontrol`` (tests/helpers/bin/scontrol): it records the newest
 #: complete checkpoint when the requeue runs, then ends the job as a requeue does.
 WITNESS_BIN = str(Path(__file__).resolve().parents[1] / "helpers" / "bin")
 STOP_DONE = re.compile(r"rank (\d): done step 24 digest (\w+)")
+#: A larger state, blocking saves every 4 steps: the stop's save is the first
+#: asynchronous one (its writer process starts then, seconds before it writes).
+STOP_ARGS = ["--steps", "24", "--mib", "48", "--blocking", "--ckpt-every", "4"]
 
 
 @pytest.fixture(scope="module")
 def stop_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """async_stop.py uninterrupted: the digest (the same on both ranks)."""
     out = tmp_path_factory.mktemp("stop-reference")
-    res = hpc_run(2, ["python", STOP_SCRIPT, "--out", str(out / "ck")], timeout=120)
+    res = hpc_run(2, ["python", SCRIPT, *STOP_ARGS, "--out", str(out / "ck")], timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     found = dict(STOP_DONE.findall(res.stdout))
     assert len(found) == 2 and len(set(found.values())) == 1, res.stdout
@@ -191,12 +193,12 @@ def test_the_requeue_after_an_agreed_stop_waits_for_the_asynchronous_save_in_fli
     job = clean_env(SLURM_JOB_ID="4242", HPC_TEST_JOB=tmp_path.name, STOP_AT="10",
                     SCONTROL_WITNESS=str(witness), SCONTROL_CKPT_DIR=str(ck))
     job["PATH"] = os.pathsep.join([WITNESS_BIN, job.get("PATH", "")])
-    first = hpc_run(2, ["python", STOP_SCRIPT, "--out", str(ck)], env=job, timeout=120)
+    first = hpc_run(2, ["python", SCRIPT, *STOP_ARGS, "--out", str(ck)], env=job, timeout=120)
     out = first.stdout + first.stderr
     assert "rank 0: stopped at step 10" in out, out[-3000:]
     assert witness.read_text().splitlines() == ["requeue 4242 newest=ckpt-00000010.pt"], (
         witness.read_text(), out[-3000:])
-    again = hpc_run(2, ["python", STOP_SCRIPT, "--out", str(ck)], timeout=120)
+    again = hpc_run(2, ["python", SCRIPT, *STOP_ARGS, "--out", str(ck)], timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "rank 0: resumed at step 10" in again.stdout, again.stdout
     assert dict(STOP_DONE.findall(again.stdout)) == {"0": stop_reference, "1": stop_reference}

@@ -282,7 +282,8 @@ def test_a_users_batchnorm_script_preempted_by_slurm_resumes_bitwise_on_every_ra
     assert sorted(re.findall(EXACT, text)) == reference  # every rank, bitwise
 
 
-ASYNC_STOP = str(ROOT / "tests" / "integration" / "scripts" / "async_stop.py")
+ASYNC_STOP = [str(ROOT / "tests" / "integration" / "scripts" / "async_ckpt.py"),
+              "--steps", "24", "--mib", "48", "--blocking", "--ckpt-every", "4"]
 #: A witness in front of Slurm's scontrol: it notes the newest complete checkpoint at
 #: each ``scontrol requeue``, then runs the real one.
 WITNESS_BIN = str(ROOT / "tests" / "helpers" / "bin")
@@ -302,7 +303,8 @@ def test_a_users_requeue_after_an_asynchronous_stop_checkpoint_waits_for_it_on_s
     env = slurm_env(**ENV, STOP_AT="10", SCONTROL_WITNESS=str(witness),
                     SCONTROL_CKPT_DIR=str(out))
     env["PATH"] = os.pathsep.join([WITNESS_BIN, env["PATH"]])
-    job_id = sbatch_nowait(["-p", "debug", TEMPLATE, "python", ASYNC_STOP, "--out", str(out)],
+    job_id = sbatch_nowait(["-p", "debug", TEMPLATE, "python", *ASYNC_STOP,
+                            "--out", str(out)],
                            tmp_path, env, cancel_after)
     last = jobwatch.wait(job_id, timeout=240)
     text = (tmp_path / f"hpc-srun-{job_id}.out").read_text()
