@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Optional
 
-__all__ = ["exclude_bad_nodes"]
+__all__ = ["exclude_bad_nodes", "excluded_hosts", "placeable"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = (),
         shown = _shielded(["scontrol", "show", "job", "-o", job_id], 60).stdout
         fields = dict(w.split("=", 1) for w in shown.split() if "=" in w)
         current = fields.get("ExcNodeList", "(null)")
-        before = [] if current in ("", "(null)") else current.split(",")
+        before = excluded_hosts(current)
         need = nodes or int(os.environ.get("SLURM_JOB_NUM_NODES") or 0)
         partition = fields.get("Partition", "")
-        bad, kept = _placeable(bad, before, partition, need)
+        bad, kept = placeable(bad, before, _partition_nodes(partition.split(",")[0]), need)
         left_in = (f"not excluding {', '.join(kept)}: partition {partition or '?'} would "
                    f"keep too few nodes for this {need}-node job (it would pend for ever)"
                    if kept else "")
@@ -78,6 +78,17 @@ def exclude_bad_nodes(job_id: str, hosts: Sequence[str] = (),
                                    left_in]))
 
 
+def excluded_hosts(field: str) -> list[str]:
+    """The hosts of an ``ExcNodeList`` as ``scontrol show job`` prints it: ``node[1-2],gpu7``
+    is three hosts (a range read as one name kept every host of it in the count of the
+    partition's nodes left, and the requeued job excluded too many to ever run);
+    ``(null)`` or empty: none."""
+    from hpc.environments import expand_hostnames
+
+    field = field.strip()
+    return [] if field in ("", "(null)") else expand_hostnames(field)
+
+
 def _shielded(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """``argv``'s output, run with SIGTERM blocked (the mask is inherited through exec).
 
@@ -100,15 +111,15 @@ def _partition_nodes(partition: str) -> list[str]:
     return list(dict.fromkeys(out.split()))
 
 
-def _placeable(bad: Sequence[str], before: Sequence[str], partition: str, need: int
-               ) -> tuple[list[str], list[str]]:
-    """(hosts to exclude, hosts left in): as many of ``bad``, in order, as leave
-    ``partition`` ``need`` nodes; a requeued job that excludes too many would pend for
-    ever (``BadConstraints``)."""
-    nodes = _partition_nodes(partition.split(",")[0])
+def placeable(bad: Sequence[str], before: Sequence[str], nodes: Sequence[str], need: int
+              ) -> tuple[list[str], list[str]]:
+    """(hosts to exclude, hosts left in): as many of ``bad``, in order, as leave ``need``
+    of the partition's ``nodes`` that ``before`` (the job's exclusions, expanded) does
+    not already exclude; a requeued job that excludes too many would pend for ever
+    (``BadConstraints``). Pure; no ``nodes`` (sinfo could not say) or no ``need``: all."""
     if not nodes or need < 1:
         return list(bad), []
-    left = [n for n in nodes if n not in before]
+    left = [n for n in nodes if n not in set(before)]
     out, kept = [], []
     for h in bad:
         if h in left and len(left) - 1 < need:
