@@ -50,7 +50,7 @@ from hpc.supervise.launch import mpirun_argv, mpirun_env, srun_argv
 from hpc.checkpoint.progress import read_progress
 from hpc.supervise.verdict import UNREACHABLE, Evidence, Mark, Verdict, classify, gone
 from hpc.watchdog import marks
-from hpc.watchdog.launchlog import srun_exits
+from hpc.watchdog.launchlog import ExitParser
 
 __all__ = ["Options", "supervise", "SETTLE_S", "KILLED_SETTLE_S", "POLL_S", "CANCEL_S"]
 
@@ -124,7 +124,7 @@ class Attempt:
         self.hosts = list(hosts)
         self.error_dir = error_dir
         self.name = f"hpc-attempt-{uuid.uuid4().hex[:8]}"
-        self.lines: list[str] = []
+        self.exits = ExitParser()  # fed by the reader thread, line by line
         self.lost: dict[str, str] = {}
         self.mpirun = bool(opts.mpirun)
         env = dict(env)
@@ -146,13 +146,13 @@ class Attempt:
     def _pump(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+            self.exits.feed(line.rstrip("\n"))  # no line kept: memory stays bounded
             sys.stderr.write(line)
             sys.stderr.flush()
 
     def _failing_since(self) -> Optional[tuple[float, float]]:
         """(when, how long srun gets to end the step) once a rank failed, else None."""
-        exits = srun_exits(self.lines)
+        exits = list(self.exits.exits)  # once per poll: what came since is parsed already
         if any(not x.after_cancel and x.by_signal
                for x in exits):
             return time.monotonic(), KILLED_SETTLE_S
@@ -221,7 +221,7 @@ class Attempt:
     def evidence(self, code: int) -> Evidence:
         states = node_states(self.hosts)
         states.update(self.lost)
-        return Evidence(code, srun_exits(self.lines), _marks(self.error_dir),
+        return Evidence(code, list(self.exits.exits), _marks(self.error_dir),
                         tuple(self.hosts), states, addresses(self.hosts))
 
 

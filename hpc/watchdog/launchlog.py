@@ -20,7 +20,7 @@ import re
 import signal
 from collections.abc import Iterable, Sequence
 
-__all__ = ["SrunExit", "cancellations", "compact_ranks", "srun_exits"]
+__all__ = ["ExitParser", "SrunExit", "cancellations", "compact_ranks", "srun_exits"]
 
 #: srun's line of tasks that ended badly (``Killed``, ``Exited with exit code 1``).
 _SRUN_ERROR = re.compile(r"srun: error: (?P<node>[\w.-]+): tasks? (?P<tasks>[\d,\-]+): "
@@ -90,9 +90,56 @@ def _signal_word(number: str) -> str:
     return signal.strsignal(int(number)) or f"signal {number}"
 
 
+class ExitParser:
+    """:func:`srun_exits` line by line: :meth:`feed` each line as it comes, read
+    :attr:`exits` at any time. Its state is the parser's alone (whether srun cancelled
+    the step, a torchrun summary being read): a watcher of a long step (``hpc
+    supervise``) keeps no lines and never reads one twice.
+
+    Attributes:
+        exits: The exits found so far, in srun's order.
+    """
+
+    def __init__(self) -> None:
+        self.exits: list[SrunExit] = []
+        self.cancelled = False
+        self._summary: dict[str, dict[str, str]] = {}  # srun label -> the root cause read
+
+    def feed(self, line: str) -> None:
+        """One line of srun's (torchrun's, mpirun's) output."""
+        m = _SRUN_ERROR.search(line)
+        if m:
+            self.exits.append(SrunExit(m["node"], tuple(_expand(m["tasks"])),
+                                       m["what"].strip(), self.cancelled))
+        elif _CANCEL.search(line):
+            self.cancelled = True
+        elif (o := _OMPI_SIGNAL.search(line)) is not None:
+            self.exits.append(SrunExit(o["node"], (int(o["rank"]),), _signal_word(o["sig"]),
+                                       self.cancelled))
+        elif (root := _TORCHRUN_ROOT.match(line)) is not None:
+            self._summary[root["label"] or ""] = {}
+        elif (f := _TORCHRUN_FIELD.match(line)) is not None \
+                and (f["label"] or "") in self._summary:
+            self._field(f["label"] or "", f["key"], f["value"])
+
+    def _field(self, label: str, key: str, value: str) -> None:
+        """A field of a torchrun root cause; its exit code ends it."""
+        failure = self._summary[label]
+        failure[key] = value
+        if key != "exitcode":
+            return
+        del self._summary[label]
+        code = failure["exitcode"]
+        if code.startswith("-") and code[1:].isdigit() and failure.get("rank", "").isdigit():
+            self.exits.append(SrunExit(failure.get("host", "?").split(".")[0],
+                                       (int(failure["rank"]),), _signal_word(code[1:]),
+                                       self.cancelled))
+
+
 def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
     """srun's error lines about tasks, in the order srun printed them (the one parser of
-    them: ``hpc first-failure`` and ``hpc supervise`` read the same lines).
+    them: ``hpc first-failure`` and ``hpc supervise`` read the same lines, the latter
+    as they come through :class:`ExitParser`).
 
     Under torchrun a task is a host's agent, and the ranks are its workers: the root cause
     of the agent's failure summary (``host : node2``, ``rank : 3 (local_rank: 1)``,
@@ -100,34 +147,10 @@ def srun_exits(lines: Iterable[str]) -> list[SrunExit]:
     "Killed")``. Its other failures are the workers the agent ended itself (SIGTERM).
     Under Open MPI's mpirun, its ``process rank 2 ... on node node2 exited on signal 9``
     is the same."""
-    out: list[SrunExit] = []
-    cancelled = False
-    summary: dict[str, dict[str, str]] = {}  # srun label -> the root cause being read
+    parser = ExitParser()
     for line in lines:
-        m = _SRUN_ERROR.search(line)
-        if m:
-            out.append(SrunExit(m["node"], tuple(_expand(m["tasks"])), m["what"].strip(),
-                                cancelled))
-        elif _CANCEL.search(line):
-            cancelled = True
-        elif (o := _OMPI_SIGNAL.search(line)) is not None:
-            out.append(SrunExit(o["node"], (int(o["rank"]),), _signal_word(o["sig"]),
-                                cancelled))
-        elif (root := _TORCHRUN_ROOT.match(line)) is not None:
-            summary[root["label"] or ""] = {}
-        elif (f := _TORCHRUN_FIELD.match(line)) is not None and (f["label"] or "") in summary:
-            label = f["label"] or ""
-            failure = summary[label]
-            failure[f["key"]] = f["value"]
-            if f["key"] != "exitcode":
-                continue
-            del summary[label]
-            code = failure["exitcode"]
-            if code.startswith("-") and code[1:].isdigit() and failure.get("rank", "").isdigit():
-                out.append(SrunExit(failure.get("host", "?").split(".")[0],
-                                    (int(failure["rank"]),), _signal_word(code[1:]),
-                                    cancelled))
-    return out
+        parser.feed(line)
+    return parser.exits
 
 
 def cancellations(lines: Iterable[str]) -> list[str]:

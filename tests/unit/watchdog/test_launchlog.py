@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from hpc.watchdog.launchlog import SrunExit, cancellations, compact_ranks, srun_exits
+from hpc.watchdog.launchlog import (
+    ExitParser,
+    SrunExit,
+    cancellations,
+    compact_ranks,
+    srun_exits,
+)
 
 
 def test_srun_lines_in_order_and_those_after_its_own_cancellation() -> None:
@@ -43,3 +49,21 @@ def test_cancellations_keep_only_the_banners_with_a_reason() -> None:
              "slurmstepd: error: *** STEP 12.0 ON node1 CANCELLED AT 2024-05-01T10:00:00 ***",
              "srun: error: node1: task 0: Killed"]
     assert cancellations(lines) == ["cancelled DUE TO TIME LIMIT"]
+
+
+def test_the_parser_fed_line_by_line_finds_what_the_whole_output_gives() -> None:
+    """``hpc supervise`` feeds each line once as srun prints it and reads the exits every
+    poll (it re-parsed every line of the attempt each second: 1.5 s a poll at 1M lines);
+    a torchrun summary split across polls still gives its rank."""
+    lines = ["1: Root Cause (first observed failure):", "1:   host      : node2.cluster",
+             "0: noise " * 3, "1:   rank      : 3 (local_rank: 1)",
+             "srun: error: node1: task 0: Exited with exit code 1",
+             "srun: launch/slurm: _step_signal: Terminating StepId=26.0",
+             "1:   exitcode  : -9 (pid: 42)", "srun: error: node1: task 1: Terminated"]
+    parser, seen = ExitParser(), []
+    for line in lines:
+        parser.feed(line)
+        seen.append(len(parser.exits))
+    assert parser.exits == srun_exits(lines)
+    assert parser.exits[1] == SrunExit("node2", (3,), "Killed", after_cancel=True)
+    assert seen == [0, 0, 0, 0, 1, 1, 2, 3]
