@@ -9,22 +9,25 @@ and returns a :class:`Verdict`. The rules, in order; the first that applies deci
 2. a host of the step is DOWN, failed or not responding (``sinfo``: ``down*``,
    ``idle*``, ``fail``), or did not answer on slurmd's port for a while
    (:data:`UNREACHABLE`): **infrastructure**, that host.
-3. ranks that srun saw ``Killed`` (or dead of another signal) before it cancelled the
+3. ranks that srun saw ``Out Of Memory`` before it cancelled the step (the OOM killer:
+   the cgroup's or the node's memory limit): **application**, no culprit: the program
+   asked for more memory than it has, on any host; never a strike.
+4. ranks that srun saw ``Killed`` (or dead of another signal) before it cancelled the
    step, and that wrote no failure mark of their own (a peer's watchdog report naming
    them as stuck is not theirs): a process that never ran Python's exit (SIGKILL
    from outside, the node's crash): **infrastructure**, their host(s). A rank of ours that
    fails writes a mark first; srun's ``Terminated`` lines after its ``Terminating StepId``
    are the cancellation it did itself, never evidence.
-4. the watchdog's marks: ranks its reports name as having "never entered" a collective
+5. the watchdog's marks: ranks its reports name as having "never entered" a collective
    the others waited in (whichever rank's mark carries the report), **all on one host**
    of several: **infrastructure**, that host (a frozen or cut-off
    node); stuck ranks on several hosts are the program's own hang.
-5. the first failure by the marks (:func:`hpc.watchdog.failure.first_failure`) is a rank
+6. the first failure by the marks (:func:`hpc.watchdog.failure.first_failure`) is a rank
    that lost a peer (:data:`hpc.watchdog.failure.PEER_LOST`: "Connection closed by
    peer", "Connection reset", a gloo/NCCL timeout): **infrastructure**, the host the
    message names when it names one of the step's hosts (by name or address), else no
    culprit (relaunch on the same hosts).
-6. anything else (a Python exception, a non-zero ``sys.exit``, srun's "Exited with exit
+7. anything else (a Python exception, a non-zero ``sys.exit``, srun's "Exited with exit
    code"): **application**: no restart.
 
 The supervisor adds one more (:mod:`hpc.supervise.plan`): the same infrastructure verdict
@@ -176,6 +179,11 @@ def classify(e: Evidence) -> Verdict:
         return Verdict(INFRASTRUCTURE, tuple(lost), "; ".join(
             f"{h}: no answer on slurmd's port (node unreachable)" if e.states[h] == UNREACHABLE
             else f"{h}: Slurm state {e.states[h]} (node unreachable)" for h in lost))
+    oom = [x for x in e.exits if x.out_of_memory and not x.after_cancel]
+    if oom:
+        return Verdict(APPLICATION, (), "; ".join(
+            f"{x.host}: {_ranks(x.ranks)} Out Of Memory (the OOM killer: the program's "
+            "memory, not the host)" for x in oom))
     stuck = _stuck(e)
     killed = _signal_deaths(e, stuck)
     if killed:

@@ -84,6 +84,12 @@ class SrunExit:
         """The tasks died of a signal (``Killed``, ``Terminated``), not by their own exit."""
         return not self.what.startswith("Exited with exit code")
 
+    @property
+    def out_of_memory(self) -> bool:
+        """The kernel's OOM killer ended the tasks (srun's ``Out Of Memory``: the step's
+        memory limit or the node's RAM): the program's memory, not the host's fault."""
+        return self.what.strip().lower() == "out of memory"
+
 
 def _signal_word(number: str) -> str:
     """``9`` -> ``Killed``: srun's word for a task ended by that signal."""

@@ -21,6 +21,18 @@ def test_ranks_killed_without_a_mark_blame_their_host_not_the_cancelled_ones() -
     assert (v.kind, v.culprits) == (INFRASTRUCTURE, ("node3",)), v
 
 
+def test_an_out_of_memory_kill_is_the_programs_and_strikes_no_host() -> None:
+    """srun's line for a task the OOM killer ended (the step's cgroup limit or the node's
+    RAM; Slurm 22.05's words): the program needs more memory wherever it runs. Read as
+    a task killed by a signal, it excluded node3, struck it and burnt a spare."""
+    e = Evidence(137, _lines("srun: error: node3: task 4: Out Of Memory",
+                             "srun: launch/slurm: _step_signal: Terminating StepId=3.0",
+                             "srun: error: node1: tasks 0-1: Killed"), hosts=HOSTS)
+    v = classify(e)
+    assert (v.kind, v.culprits) == (APPLICATION, ()), v
+    assert "node3: rank 4 Out Of Memory" in v.evidence and not v.restartable
+
+
 def test_a_python_exception_is_the_programs_even_when_peers_then_lost_it() -> None:
     marks = {2: Mark(10.0, "InjectedFault: rank 2 at step 50", "node2"),
              0: Mark(10.5, "RuntimeError: Connection closed by peer [10.0.0.2]:123", "node1")}
