@@ -54,7 +54,9 @@ logger = logging.getLogger(__name__)
 CLEAR_AFTER = 2
 
 #: Windows one episode of a verdict must name the same ranks before their hosts get a
-#: strike in the bad-node ledger (:mod:`hpc.ledger`; once per episode, by the master).
+#: strike in the bad-node ledger (:mod:`hpc.ledger`; by the master, at most once per host
+#: in a run, and never in a job on one host: its ranks measured against each other
+#: cannot tell the host's fault from the load beside them).
 STRIKE_AFTER = 3
 
 #: Bytes each host's first rank sends to two others when the link probe runs.
@@ -94,6 +96,7 @@ class StepHealth:
         self.window_start: Optional[int] = None
         self._active: dict[tuple[int, ...], int] = {}  # named ranks -> windows without
         self._named: dict[tuple[int, ...], int] = {}  # named ranks -> windows with
+        self._struck: set[str] = set()  # hosts this run gave a straggler strike
         self.findings: list[dict[str, Any]] = []
         self.hosts: Optional[list[str]] = None
         self._probed: Optional[list[Finding]] = None
@@ -209,8 +212,7 @@ class StepHealth:
             self._active[f.ranks] = 0
             self._named[f.ranks] = self._named.get(f.ranks, 0) + 1
             if self._named[f.ranks] == STRIKE_AFTER and self.rank == 0:
-                ledger.strike(self._hosts_of(f.ranks), self.describe(f, start, end),
-                              "straggler")
+                self._strike(f, start, end)
         named = {f.ranks for f in verdicts}
         for ranks in [r for r in self._active if r not in named]:
             self._active[ranks] += 1
@@ -222,6 +224,14 @@ class StepHealth:
                                 ", ".join(self._hosts_of(ranks)), ranks_text(ranks), end)
         if changed:
             self._write()
+
+    def _strike(self, f: Finding, start: int, end: int) -> None:
+        """A persisting verdict's strike: its hosts not struck in this run yet, in a job of
+        several hosts (on one, the ranks were only measured against each other)."""
+        hosts = [h for h in self._hosts_of(f.ranks) if h not in self._struck]
+        if hosts and len(set(self.hosts or ())) > 1:
+            ledger.strike(hosts, self.describe(f, start, end), "straggler")
+            self._struck.update(hosts)
 
     def _hosts_of(self, ranks: tuple[int, ...]) -> list[str]:
         hosts = self.hosts or []

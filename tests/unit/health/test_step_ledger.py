@@ -1,5 +1,6 @@
 """:class:`hpc.health.step.StepHealth` strikes in the bad-node ledger: a straggler verdict
-that persists :data:`~hpc.health.step.STRIKE_AFTER` windows, once per episode, and a
+that persists :data:`~hpc.health.step.STRIKE_AFTER` windows, once per host in a run of
+several hosts, and a
 corrupt replica, once per job; only the global master writes (the test's HPC_STATE_DIR)."""
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def _windows(h: StepHealth, verdicts: list[Finding], n: int) -> None:
         h._report(verdicts, 0, 19)
 
 
-def test_a_persisting_straggler_strikes_its_host_once_per_episode() -> None:
+def test_a_persisting_straggler_strikes_its_host_once_per_run() -> None:
+    """Two strikes in 24 h exclude a host from hpc submit: one run (a noisy machine's
+    two episodes) must not give both."""
     assert STRIKE_AFTER == 3
     h = _health(0)
     _windows(h, [SLOW], STRIKE_AFTER - 1)
@@ -38,9 +41,19 @@ def test_a_persisting_straggler_strikes_its_host_once_per_episode() -> None:
     _windows(h, [SLOW], 5)
     assert len(Ledger().strikes()) == 1  # the same episode
     _windows(h, [], CLEAR_AFTER)  # cleared
-    _windows(h, [SLOW], STRIKE_AFTER)
-    assert [s.host for s in Ledger().strikes()] == ["node3", "node3"]
-    assert list(Ledger().excluded()) == ["node3"]
+    _windows(h, [SLOW], STRIKE_AFTER)  # a second episode in the same run
+    assert [s.host for s in Ledger().strikes()] == ["node3"]
+    assert list(Ledger().excluded()) == []
+
+
+def test_a_job_on_one_host_gives_no_straggler_strike() -> None:
+    """``hpc run --nproc 2`` on a loaded host: rank 0 1.8x the median of rank 1 names
+    the host, but the ranks were only compared with each other (a CI run struck its
+    machine twice that way)."""
+    h = StepHealth(0, 2, environ={"HPC_STRAGGLER": "0"})
+    h.hosts = ["vm", "vm"]
+    _windows(h, [Finding("relative", (0,), 1.8, 0.01, 0.5)], STRIKE_AFTER + 2)
+    assert Ledger().strikes() == []
 
 
 def test_only_the_global_master_strikes() -> None:
