@@ -192,7 +192,7 @@ def test_pretrain_bitflip_fails_naming_rank_1(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     for r in range(2):
-        assert re.search(rf"^\[rank {r}\] .*ERROR hpc\.cli\.stage: silent corruption: after "
+        assert re.search(rf"^\[rank {r}\] .*ERROR hpc\.preempt\.stage: silent corruption: after "
                          r"step 20 the replicated state of rank 1 on \S+ differs from the "
                          r"other ranks' \(no strict majority: the side named is the one "
                          r"without rank 0\), in stem\.0\.weight\.$", out, re.M), out
