@@ -128,8 +128,10 @@ class Baselines:
 
     compute: list[list[float]] = field(default_factory=list)
     wall: list[list[float]] = field(default_factory=list)
-    #: Each rank's medians, once computed (they change only while windows are added).
-    _medians: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # Each rank's medians, once computed (they change only while windows are added).
+        self._medians: dict[int, tuple[float, float]] = {}
 
     def add(self, table: Sequence[Sequence[float]], n: int) -> None:
         if not self.compute:
