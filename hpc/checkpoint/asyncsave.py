@@ -53,6 +53,7 @@ class Writer:
         self.pending: Optional[tuple[str, float]] = None  # (path, submitted at)
         self.written: Any = False  # a synchronous fallback's result: error text or None
         self.warned = False  # about a fallback: once
+        self.starting = False  # the save in flight started the writer process
 
     def _start(self) -> None:
         to_child, from_parent = os.pipe()
@@ -82,7 +83,8 @@ class Writer:
         assert self.stage is not None
         skeleton = self.stage.copy(payload)
         staged = time.perf_counter() - started
-        if self.proc is None or self.proc.poll() is not None:
+        self.starting = self.proc is None or self.proc.poll() is not None
+        if self.starting:
             self._start()
         assert self.requests is not None
         self.requests.send((str(self.stage.dir), skeleton, str(path), int(step), int(keep)))
@@ -138,9 +140,14 @@ class Writer:
             self.pending = None
         waited = time.monotonic() - started
         log = logger.info if waited > WAIT_NOTE_S else logger.debug
-        log("waited %.1f s for checkpoint %s, still being written (written in %.2f s; the "
-            "save returned %.1f s before)", waited, Path(path).name, seconds,
-            time.monotonic() - since)
+        if self.starting:  # the process start (Python, torch), not the writing, took it
+            log("waited %.1f s for checkpoint %s: its writer process was starting (the "
+                "file took %.2f s once it ran; the save returned %.1f s before)", waited,
+                Path(path).name, seconds, time.monotonic() - since)
+        else:
+            log("waited %.1f s for checkpoint %s, still being written (written in %.2f s; "
+                "the save returned %.1f s before)", waited, Path(path).name, seconds,
+                time.monotonic() - since)
         return error
 
     def _died(self, path: str) -> str:
